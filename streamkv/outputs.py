@@ -1,0 +1,61 @@
+"""What the engine hands back: streamed deltas and finished requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token accounting of one request (all samples together for completion)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """New output of one sample since the previous delta.
+
+    ``text`` may be empty while characters are held back (a possible stop
+    string prefix or an incomplete UTF-8 sequence); the concatenation of all
+    deltas' text is the final text.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """The whole output of one sample (offline API)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One update of a request: the deltas of this step, and, once finished, totals.
+
+    Attributes:
+        request_id: the request this belongs to.
+        deltas: per-sample news of this engine step (possibly several steps
+            coalesced when the consumer was slow).
+        finished: all samples are done.
+        usage: set when finished.
+        ttft_s: seconds from arrival to the first token (set once known).
+        e2e_s: seconds from arrival to finish (set when finished).
+    """
+
+    request_id: str
+    deltas: list[CompletionDelta]
+    finished: bool = False
+    usage: Usage | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
