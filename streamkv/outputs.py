@@ -59,3 +59,15 @@ class RequestOutput:
     usage: Usage | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
+
+
+@dataclass(slots=True)
+class CompletedRequest:
+    """A finished request as the offline API returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    usage: Usage | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None

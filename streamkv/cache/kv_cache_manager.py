@@ -1,0 +1,341 @@
+"""KV cache manager: which blocks each sequence and session holds.
+
+The scheduler asks three questions (vLLM v1's narrow seam):
+``get_computed_blocks`` (prefix cache hits for a new sequence),
+``allocate_slots`` (room for this step's tokens, or ``False``: preempt
+someone) and ``free``. Around them: ``fork`` for parallel sampling with
+copy-on-write, session pins (a finished chat turn keeps its blocks so the
+next turn computes only its new tokens) and swap to a host tier.
+
+Block index arithmetic for a sequence with ``num_computed_tokens = c`` that
+computes ``k`` new tokens this step (block size ``bs``)::
+
+    tokens:  [0 ........ c) [c ...... c+k)
+    blocks:  0 .. c//bs        .. ceil((c+k)/bs) - 1
+                    ^ the block holding position c is written: if it is
+                      shared (ref_cnt > 1) it is copied first (COW)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from streamkv.cache.block_pool import BlockPool, KVBlock
+from streamkv.cache.hashing import BlockHash, hash_block_tokens
+from streamkv.cache.swap_space import SwapSpace
+
+
+class CacheSeq(Protocol):
+    """What the cache manager reads of a sequence."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SessionPin:
+    """An idle session's hold on the blocks of its history."""
+
+    session_id: str
+    blocks: list[KVBlock]
+    token_ids: list[int]  # tokens whose KV the blocks hold, in order
+    last_active: float
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Blocks per sequence and per session over one :class:`BlockPool`.
+
+    Args:
+        num_blocks: device pool size.
+        block_size: tokens per block.
+        enable_prefix_caching: hash full blocks and reuse them across requests.
+        extra_key: bytes folded into every block hash (model identity).
+        max_pinned_blocks: most blocks idle sessions may pin together.
+        num_host_blocks: swap tier size (capped at ``num_blocks``).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        extra_key: bytes = b"",
+        max_pinned_blocks: int | None = None,
+        num_host_blocks: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_key = extra_key
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.max_pinned_blocks = num_blocks if max_pinned_blocks is None else max_pinned_blocks
+        self.host = SwapSpace(min(num_host_blocks, num_blocks))
+        self.seq_blocks: dict[int, list[KVBlock]] = {}
+        self.swapped: dict[int, list[int]] = {}  # seq id -> host block ids
+        self.sessions: OrderedDict[str, SessionPin] = OrderedDict()  # LRU first
+        self.num_pinned_blocks = 0
+        self.num_swapped_out_blocks = 0  # monotonic
+        self._hashes: dict[int, list[BlockHash]] = {}
+        self._num_committed: dict[int, int] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+
+    # ----------------------------------------------------------- sequences
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """Physical block ids of a sequence, in logical order."""
+        return [b.block_id for b in self.seq_blocks.get(seq_id, ())]
+
+    def has_blocks(self, seq_id: int) -> bool:
+        return seq_id in self.seq_blocks
+
+    def get_computed_blocks(self, seq: CacheSeq) -> list[KVBlock]:
+        """Longest chain of cached full blocks that prefixes ``seq.token_ids``.
+
+        Capped so that at least the last token is computed (its logits are
+        needed). Takes no reference and counts nothing: pass the result to
+        :meth:`allocate_slots`, then :meth:`record_prefix_query` once admitted.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        num_tokens = len(seq.token_ids)
+        max_blocks = (num_tokens - 1) // bs
+        hashes = self._block_hashes(seq, max_blocks)
+        hits: list[KVBlock] = []
+        for i in range(max_blocks):
+            block = self.pool.lookup(hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted lookup: ``num_tokens`` queried, ``num_hit_tokens`` found."""
+        if self.enable_prefix_caching:
+            self.pool.counters.prefix_cache_queries += num_tokens
+            self.pool.counters.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(self, seq: CacheSeq, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
+        """Give ``seq`` slots for ``num_new_tokens`` tokens after its computed ones.
+
+        ``computed_blocks`` (prefix hits of a sequence holding no blocks yet)
+        are referenced first and count as computed: the caller then adds
+        ``len(computed_blocks) * block_size`` to ``num_computed_tokens``.
+        All or nothing: returns ``False`` and changes nothing when the pool
+        cannot provide the blocks (the scheduler then preempts).
+        """
+        blocks = self.seq_blocks.get(seq.seq_id, [])
+        if computed_blocks and blocks:
+            raise ValueError("prefix hits are only for a sequence without blocks")
+        bs = self.block_size
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
+        num_required = cdiv(num_computed + num_new_tokens, bs)
+        have = len(blocks) + len(computed_blocks)
+        num_new_blocks = max(0, num_required - have)
+        write_idx = num_computed // bs
+        cow = write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1 and num_new_tokens > 0
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + int(cow) + revived > self.pool.num_free_blocks:
+            return False
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks = list(computed_blocks)
+        if cow:
+            self._copy_on_write(blocks, write_idx)
+        if num_new_blocks:
+            blocks.extend(self.pool.allocate(num_new_blocks))
+        self.seq_blocks[seq.seq_id] = blocks
+        return True
+
+    def commit(self, seq: CacheSeq) -> None:
+        """Register the sequence's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.seq_blocks.get(seq.seq_id)
+        if not blocks:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(blocks))
+        start = self._num_committed.get(seq.seq_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+        self._num_committed[seq.seq_id] = num_full
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence's blocks (tail first) and any host blocks."""
+        blocks = self.seq_blocks.pop(seq_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+        host = self.swapped.pop(seq_id, None)
+        if host:
+            self.host.free(host)
+        self._hashes.pop(seq_id, None)
+        self._num_committed.pop(seq_id, None)
+
+    def fork(self, parent: CacheSeq, child: CacheSeq) -> None:
+        """Let ``child`` share every block of ``parent`` (copy-on-write later)."""
+        blocks = self.seq_blocks[parent.seq_id]
+        self.pool.touch(blocks)
+        self.seq_blocks[child.seq_id] = list(blocks)
+        if parent.seq_id in self._hashes:
+            self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
+        self._num_committed[child.seq_id] = self._num_committed.get(parent.seq_id, 0)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """COW block copies ``(src, dst)`` made since the last call; the runner applies them."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    # ------------------------------------------------------------- sessions
+
+    def pin_session(self, session_id: str, seq: CacheSeq, now: float | None = None) -> bool:
+        """Move a finished turn's references to its session.
+
+        Keeps the blocks holding the sequence's computed tokens (the partial
+        last block too); frees the rest. Unpins least recently active
+        sessions to stay under ``max_pinned_blocks``; when the turn alone is
+        too big it frees everything instead and returns ``False``.
+        """
+        self.release_session(session_id)
+        blocks = self.seq_blocks.pop(seq.seq_id, [])
+        self._hashes.pop(seq.seq_id, None)
+        self._num_committed.pop(seq.seq_id, None)
+        num_keep = cdiv(seq.num_computed_tokens, self.block_size)
+        if len(blocks) > num_keep:
+            self.pool.free(reversed(blocks[num_keep:]))
+        keep = blocks[:num_keep]
+        if not keep or len(keep) > self.max_pinned_blocks:
+            self.pool.free(reversed(keep))
+            return False
+        while self.num_pinned_blocks + len(keep) > self.max_pinned_blocks and self.unpin_lru():
+            pass
+        self.pool.pin(keep)
+        self.num_pinned_blocks += len(keep)
+        self.sessions[session_id] = SessionPin(
+            session_id, keep, list(seq.token_ids[: seq.num_computed_tokens]), time.monotonic() if now is None else now
+        )
+        return True
+
+    def adopt_session(self, session_id: str, seq: CacheSeq) -> int:
+        """Continue a session's pinned blocks in a new sequence of that session.
+
+        Returns the number of tokens now computed for ``seq`` (0 when the pin
+        is missing or its tokens do not prefix the new prompt; a stale pin is
+        released). The caller sets ``num_computed_tokens`` to the result.
+        """
+        pin = self.sessions.get(session_id)
+        if pin is None:
+            return 0
+        n = len(pin.token_ids)
+        if seq.seq_id in self.seq_blocks or n >= len(seq.token_ids) or seq.token_ids[:n] != pin.token_ids:
+            self.release_session(session_id)
+            return 0
+        del self.sessions[session_id]
+        self.pool.unpin(pin.blocks)
+        self.num_pinned_blocks -= len(pin.blocks)
+        self.seq_blocks[seq.seq_id] = pin.blocks
+        return n
+
+    def release_session(self, session_id: str) -> bool:
+        """Drop a session's pin; its full blocks stay in the prefix cache."""
+        pin = self.sessions.pop(session_id, None)
+        if pin is None:
+            return False
+        self.pool.unpin(pin.blocks)
+        self.num_pinned_blocks -= len(pin.blocks)
+        self.pool.free(reversed(pin.blocks))
+        return True
+
+    def unpin_lru(self) -> bool:
+        """Release the least recently active session's pin; ``False`` if none."""
+        if not self.sessions:
+            return False
+        return self.release_session(next(iter(self.sessions)))
+
+    # ----------------------------------------------------------------- swap
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        return len(self.seq_blocks.get(seq_id, ())) <= self.host.num_free_blocks
+
+    def swap_out(self, seq: CacheSeq) -> list[tuple[int, int]]:
+        """Move a sequence's computed blocks to the host tier.
+
+        Returns ``(device_block, host_block)`` copies for the runner, to be
+        applied before this step's forward. Device references are dropped.
+
+        Raises:
+            ValueError: the host tier lacks room (check :meth:`can_swap_out`).
+        """
+        blocks = self.seq_blocks.pop(seq.seq_id)
+        keep = blocks[: cdiv(seq.num_computed_tokens, self.block_size)]
+        host_ids = self.host.allocate(len(keep))
+        self.swapped[seq.seq_id] = host_ids
+        self.pool.free(reversed(blocks))
+        self._num_committed.pop(seq.seq_id, None)
+        self.num_swapped_out_blocks += len(keep)
+        return [(b.block_id, h) for b, h in zip(keep, host_ids)]
+
+    def swap_in(self, seq: CacheSeq) -> list[tuple[int, int]] | None:
+        """Bring a swapped sequence back; ``(host_block, device_block)`` copies or ``None`` if no room."""
+        host_ids = self.swapped[seq.seq_id]
+        if len(host_ids) > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(len(host_ids))
+        del self.swapped[seq.seq_id]
+        self.host.free(host_ids)
+        self.seq_blocks[seq.seq_id] = blocks
+        return [(h, b.block_id) for h, b in zip(host_ids, blocks)]
+
+    # ----------------------------------------------------------- accounting
+
+    def held_references(self) -> dict[int, int]:
+        """Block id -> references held by sequences and pins (for invariant checks)."""
+        refs: dict[int, int] = {}
+        for blocks in self.seq_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for pin in self.sessions.values():
+            for b in pin.blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        return refs
+
+    def check_invariants(self) -> None:
+        """Pool consistency plus: ref counts equal the references held here."""
+        self.pool.check_invariants(self.held_references())
+        pinned = sum(len(p.blocks) for p in self.sessions.values())
+        assert pinned == self.num_pinned_blocks, f"pinned count {self.num_pinned_blocks} != {pinned}"
+        for pin in self.sessions.values():
+            assert len(pin.blocks) == cdiv(len(pin.token_ids), self.block_size)
+            for b in pin.blocks:
+                assert b.pin_cnt >= 1 and b.ref_cnt >= 1, f"pinned block {b.block_id} unreferenced"
+        assert self.host.num_used_blocks == sum(len(h) for h in self.swapped.values())
+
+    # ------------------------------------------------------------ internals
+
+    def _block_hashes(self, seq: CacheSeq, num_blocks: int) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs], self.extra_key))
+        return hashes
+
+    def _copy_on_write(self, blocks: list[KVBlock], idx: int) -> None:
+        old = blocks[idx]
+        (new,) = self.pool.allocate(1)
+        self._pending_copies.append((old.block_id, new.block_id))
+        self.pool.free([old])
+        blocks[idx] = new
+        self.pool.counters.cow_copies += 1

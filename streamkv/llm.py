@@ -1,0 +1,107 @@
+"""Offline API: ``LLM(...).generate(prompts, params)`` for scripts, tests and benchmarks."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from streamkv.engine_core import EngineCore
+from streamkv.metrics_hooks import MetricsHooks
+from streamkv.model.loader import LoadedModel
+from streamkv.outputs import CompletedRequest, CompletionOutput, RequestOutput
+from streamkv.sampling_params import SamplingParams
+
+_MODEL_KEYS = set(ModelConfig.__dataclass_fields__)
+_CACHE_KEYS = set(CacheConfig.__dataclass_fields__)
+_SCHED_KEYS = set(SchedulerConfig.__dataclass_fields__)
+
+
+class LLM:
+    """Run the engine synchronously in the caller's thread.
+
+    Args:
+        model: model path (``None``: the default SmolLM2 GGUF).
+        config: a full :class:`EngineConfig` (then keyword options must be empty).
+        loaded: an already loaded model to share (tests).
+        metrics: optional metrics observer.
+        **options: any field of ModelConfig, CacheConfig or SchedulerConfig
+            (``device="cpu"``, ``num_blocks=64``, ``max_num_batched_tokens=16`` ...).
+
+    Raises:
+        TypeError: an unknown option.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+        metrics: MetricsHooks | None = None,
+        **options: object,
+    ) -> None:
+        if config is None:
+            unknown = set(options) - _MODEL_KEYS - _CACHE_KEYS - _SCHED_KEYS
+            if unknown:
+                raise TypeError(f"unknown LLM options: {sorted(unknown)}")
+            pick = lambda keys: {k: v for k, v in options.items() if k in keys}  # noqa: E731
+            config = EngineConfig(
+                model=ModelConfig(model=model, **pick(_MODEL_KEYS - {"model"})),
+                cache=CacheConfig(**pick(_CACHE_KEYS)),
+                scheduler=SchedulerConfig(**pick(_SCHED_KEYS)),
+            )
+        elif options or model is not None:
+            raise TypeError("pass either config or keyword options, not both")
+        self.core = EngineCore(config, metrics, loaded)
+        self.tokenizer = self.core.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        session_ids: Sequence[str | None] | None = None,
+    ) -> list[CompletedRequest]:
+        """Generate for every prompt (strings are tokenized as-is; token lists used directly).
+
+        Returns one :class:`CompletedRequest` per prompt, in order.
+
+        Raises:
+            streamkv.errors.EngineError: a prompt fails admission (nothing is run).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(ids)
+        if len(plist) != len(ids):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        sessions = list(session_ids) if session_ids is not None else [None] * len(ids)
+        for prompt, p in zip(ids, plist):
+            self.core.validate(prompt, p)
+        results: dict[str, CompletedRequest] = {}
+        order = []
+        for prompt, p, sid in zip(ids, plist, sessions):
+            rid = f"offline-{next(self._ids)}"
+            order.append(rid)
+            res = CompletedRequest(rid, prompt, [CompletionOutput(i) for i in range(p.n)])
+            results[rid] = res
+            self.core.add_request(rid, prompt, p, lambda out, res=res: _collect(res, out), sid)
+        while self.core.has_work():
+            self.core.step()
+        return [results[rid] for rid in order]
+
+
+def _collect(res: CompletedRequest, out: object) -> None:
+    assert isinstance(out, RequestOutput)
+    for d in out.deltas:
+        o = res.outputs[d.index]
+        o.token_ids.extend(d.token_ids)
+        o.text += d.text
+        if d.finish_reason is not None:
+            o.finish_reason = d.finish_reason
+    if out.finished:
+        res.usage, res.ttft_s, res.e2e_s = out.usage, out.ttft_s, out.e2e_s

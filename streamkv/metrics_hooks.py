@@ -1,0 +1,17 @@
+"""What the engine core reports as events happen (implemented by :class:`streamkv.metrics.EngineMetrics`)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class MetricsHooks(Protocol):
+    """Observers called on the engine thread; implementations must be cheap and thread-safe."""
+
+    def observe_step(self, duration_s: float, num_scheduled_tokens: int) -> None: ...
+
+    def observe_first_token(self, ttft_s: float) -> None: ...
+
+    def observe_inter_token(self, itl_s: float) -> None: ...
+
+    def observe_finished(self, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason: str) -> None: ...
