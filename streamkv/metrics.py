@@ -1,0 +1,253 @@
+"""Prometheus metrics of one engine, in its own registry (never the global one).
+
+Two sources, one truth each:
+
+- **Events** (latencies, per-request sizes, errors) are observed as they
+  happen into histograms and counters owned here. The ``observe_*`` methods
+  are called from the engine thread; prometheus_client metrics are
+  thread-safe.
+- **State and totals the engine already counts** (running requests, block
+  states, token counters, preemptions, ...) are read at scrape time from
+  ``snapshot_fn()`` (``AsyncEngine.snapshot(include_blocks=False)``) by a
+  custom collector, so a number is never counted twice in two places.
+
+Names follow vLLM's (``vllm:`` -> ``streamkv_``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+SnapshotFn = Callable[[], Mapping[str, Any]]
+
+# Seconds; spans a GPU decode step (~1 ms) to a long CPU answer (60 s).
+# fmt: off
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+    0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0,
+)
+LOOP_LAG_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)
+# fmt: on
+TOKEN_BUCKETS: tuple[float, ...] = tuple(float(1 << i) for i in range(16))  # 1 .. 32768
+
+BLOCK_STATES: tuple[str, ...] = ("free", "cached", "used", "pinned", "shared")
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "cancelled")
+# Pre-created so dashboards see zeros before the first error.
+KNOWN_ERROR_CODES: tuple[str, ...] = (
+    "invalid_json", "unknown_type", "invalid_params", "frame_too_large", "session_busy",
+    "unknown_session", "prompt_too_long", "exceeds_pool", "empty_prompt", "engine_stopped",
+    "internal_error", "engine_error",
+)  # fmt: skip
+
+
+class EngineMetrics:
+    """Histograms and counters of one engine plus a scrape-time snapshot collector.
+
+    Usage: construct, hand to the engine (it calls ``observe_*``), then
+    ``attach(lambda: engine.snapshot(include_blocks=False))`` and serve
+    ``render()`` at ``/metrics``.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "streamkv_time_to_first_token_seconds",
+            "Arrival to first output token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "streamkv_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a sample.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "streamkv_e2e_request_latency_seconds",
+            "Arrival to finish, by finish reason.",
+            ["finished_reason"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "streamkv_request_prompt_tokens", "Prompt length of finished requests.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "streamkv_request_generation_tokens",
+            "Generated tokens of finished requests (all samples).",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.step_num_scheduled_tokens = Histogram(
+            "streamkv_step_num_scheduled_tokens",
+            "Tokens scheduled in one engine step.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.step_duration = Histogram(
+            "streamkv_step_duration_seconds", "Wall time of one engine step.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.event_loop_lag = Histogram(
+            "streamkv_event_loop_lag_seconds",
+            "Overshoot of a timed asyncio sleep on the server loop.",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter("streamkv_errors", "Error frames sent to clients, by code.", ["code"], registry=r)
+        for code in KNOWN_ERROR_CODES:
+            self.errors.labels(code=code)
+        for reason in FINISH_REASONS:
+            self.e2e_request_latency.labels(finished_reason=reason)
+        self._snapshot_collector = _SnapshotCollector()
+        r.register(self._snapshot_collector)
+
+    # ------------------------------------------------------------ public API
+
+    def attach(self, snapshot_fn: SnapshotFn | None) -> None:
+        """Read gauges and engine counters from ``snapshot_fn()`` at each scrape (None detaches)."""
+        self._snapshot_collector.snapshot_fn = snapshot_fn
+
+    def observe_step(self, duration_s: float, num_scheduled_tokens: int) -> None:
+        if _finite(duration_s):
+            self.step_duration.observe(max(duration_s, 0.0))
+        self.step_num_scheduled_tokens.observe(max(num_scheduled_tokens, 0))
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        if _finite(ttft_s):
+            self.time_to_first_token.observe(max(ttft_s, 0.0))
+
+    def observe_inter_token(self, itl_s: float) -> None:
+        if _finite(itl_s):
+            self.inter_token_latency.observe(max(itl_s, 0.0))
+
+    def observe_finished(self, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason: str) -> None:
+        if _finite(e2e_s):
+            self.e2e_request_latency.labels(finished_reason=finish_reason).observe(max(e2e_s, 0.0))
+        self.request_prompt_tokens.observe(max(prompt_tokens, 0))
+        self.request_generation_tokens.observe(max(generation_tokens, 0))
+
+    def observe_loop_lag(self, lag_s: float) -> None:
+        if _finite(lag_s):
+            self.event_loop_lag.observe(max(lag_s, 0.0))
+
+    def count_error(self, code: str) -> None:
+        """Count one error frame; ``code`` is a server-chosen stable code (bounded cardinality)."""
+        self.errors.labels(code=code).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition: ``(body, content_type)``."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+# ---------------------------------------------------------------- internals
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _num(d: Mapping[str, Any], key: str) -> float:
+    """A non-negative finite number from ``d[key]``; absent or junk reads as 0."""
+    v = d.get(key, 0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return 0.0
+    return float(max(v, 0))
+
+
+class _SnapshotCollector(Collector):
+    """Turns one ``snapshot(include_blocks=False)`` into gauge and counter families."""
+
+    def __init__(self) -> None:
+        self.snapshot_fn: SnapshotFn | None = None
+        self._warned = threading.Event()
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        fn = self.snapshot_fn
+        if fn is None:
+            return
+        try:
+            snap = fn()
+        except Exception:  # a broken snapshot must not take the histograms down with it
+            if not self._warned.is_set():
+                self._warned.set()
+                logger.exception("stats snapshot failed during a /metrics scrape")
+            return
+        yield from _families(snap)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
+    requests = snap.get("requests") or {}
+    sessions = snap.get("sessions") or {}
+    counts = snap.get("counts") or {}
+    counters = snap.get("counters") or {}
+    finished = snap.get("finished") or {}
+
+    yield _gauge("streamkv_num_requests_running", "Requests in the running batch.", _num(requests, "running"))
+    yield _gauge("streamkv_num_requests_waiting", "Requests waiting to be scheduled.", _num(requests, "waiting"))
+    yield _gauge("streamkv_num_requests_swapped", "Requests swapped out to host memory.", _num(requests, "swapped"))
+    yield _gauge(
+        "streamkv_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", min(_num(snap, "kv_usage"), 1.0)
+    )
+    blocks = GaugeMetricFamily("streamkv_kv_blocks", "KV blocks by state.", labels=["state"])
+    for state in BLOCK_STATES:
+        blocks.add_metric([state], _num(counts, state))
+    yield blocks
+    yield _gauge("streamkv_active_sessions", "Chat sessions the engine knows.", _num(sessions, "active"))
+    yield _gauge("streamkv_pinned_blocks", "KV blocks pinned by idle sessions.", _num(sessions, "pinned_blocks"))
+    yield _gauge("streamkv_generation_tokens_per_second", "Recent generation throughput.", _num(snap, "tokens_per_s"))
+
+    yield _counter("streamkv_prompt_tokens", "Prompt tokens of admitted requests.", _num(counters, "prompt_tokens"))
+    yield _counter("streamkv_generation_tokens", "Generated tokens.", _num(counters, "generation_tokens"))
+    yield _counter(
+        "streamkv_computed_prompt_tokens",
+        "Prompt tokens actually computed (not cached).",
+        _num(counters, "computed_prompt_tokens"),
+    )
+    yield _counter(
+        "streamkv_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        _num(counters, "prefix_cache_queries"),
+    )
+    yield _counter(
+        "streamkv_prefix_cache_hits", "Prompt tokens found in the prefix cache.", _num(counters, "prefix_cache_hits")
+    )
+    preemptions = CounterMetricFamily("streamkv_num_preemptions", "Preemptions by mode.", labels=["mode"])
+    preemptions.add_metric(["recompute"], _num(counters, "preemptions_recompute"))
+    preemptions.add_metric(["swap"], _num(counters, "preemptions_swap"))
+    yield preemptions
+    yield _counter("streamkv_kv_evictions", "Cached blocks evicted for reuse.", _num(counters, "evictions"))
+    yield _counter("streamkv_cow_copies", "Copy-on-write block copies.", _num(counters, "cow_copies"))
+    yield _counter(
+        "streamkv_swapped_out_blocks", "Blocks copied out to host memory.", _num(counters, "swapped_out_blocks")
+    )
+    success = CounterMetricFamily(
+        "streamkv_request_success", "Finished requests by reason.", labels=["finished_reason"]
+    )
+    for reason in sorted(set(FINISH_REASONS) | set(finished)):
+        success.add_metric([str(reason)], _num(finished, reason))
+    yield success

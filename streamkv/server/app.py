@@ -1,0 +1,124 @@
+"""The Starlette app factory: routes, and a lifespan that owns background work.
+
+Routes::
+
+    GET /            web/index.html (the chat + block map UI)
+    GET /static/...  files under web/
+    GET /healthz     {"status": "ok", "model": ..., "max_model_len": ...}
+    GET /metrics     Prometheus text format
+    GET /api/stats   engine.snapshot() as JSON (?session_id= limits session_blocks)
+    WS  /ws/chat     chat sessions (chat_ws.py)
+    WS  /ws/stats    snapshots every ServerConfig.stats_interval s (stats_ws.py)
+
+The lifespan starts the engine, an event-loop-lag probe and the session TTL
+sweeper, and stops them in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+
+from streamkv.config import ServerConfig
+from streamkv.metrics import EngineMetrics
+from streamkv.server.chat_ws import chat_endpoint
+from streamkv.server.engine_api import ServingEngine, model_name
+from streamkv.server.sessions import SessionRegistry
+from streamkv.server.stats_ws import stats_endpoint
+
+logger = logging.getLogger(__name__)
+
+# <repo>/web, next to the streamkv package (a source checkout or an editable install).
+DEFAULT_WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+LOOP_LAG_INTERVAL_S = 0.1
+
+
+def create_app(
+    engine: ServingEngine,
+    server_config: ServerConfig,
+    metrics: EngineMetrics,
+    *,
+    web_dir: Path | None = None,
+) -> Starlette:
+    """Build the app around an engine that is not started yet (the lifespan starts it).
+
+    The session registry lives in ``app.state.sessions``.
+    """
+    web = DEFAULT_WEB_DIR if web_dir is None else web_dir
+    sessions = SessionRegistry(engine.release_session, engine.config.cache.session_ttl)
+    metrics.attach(lambda: engine.snapshot(include_blocks=False))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        tasks = [
+            asyncio.create_task(_probe_loop_lag(metrics, LOOP_LAG_INTERVAL_S), name="loop-lag-probe"),
+            asyncio.create_task(sessions.run_sweeper(), name="session-sweeper"),
+        ]
+        logger.info(
+            "streamkv ready: model %s on http://%s:%d", model_name(engine), server_config.host, server_config.port
+        )
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            sessions.close_all()
+            await engine.shutdown()
+
+    async def index(request: Request) -> Response:
+        page = web / "index.html"
+        if not page.is_file():
+            return PlainTextResponse(f"web UI not found: {page} does not exist (run from a source checkout)", 404)
+        return FileResponse(page, media_type="text/html")
+
+    async def healthz(request: Request) -> Response:
+        body = {"status": "ok", "model": model_name(engine), "max_model_len": engine.max_model_len}
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    async def metrics_route(request: Request) -> Response:
+        body, content_type = await asyncio.to_thread(metrics.render)
+        return Response(body, headers={"Content-Type": content_type})
+
+    async def api_stats(request: Request) -> Response:
+        session_id = request.query_params.get("session_id") or None
+        snap = await asyncio.to_thread(engine.snapshot, session_id)
+        return Response(orjson.dumps(snap), media_type="application/json", headers={"Cache-Control": "no-store"})
+
+    routes: list[Route | WebSocketRoute | Mount] = [
+        Route("/", index),
+        Route("/healthz", healthz),
+        Route("/metrics", metrics_route),
+        Route("/api/stats", api_stats),
+        WebSocketRoute("/ws/chat", chat_endpoint(engine, sessions, metrics)),
+        WebSocketRoute("/ws/stats", stats_endpoint(engine, server_config.stats_interval)),
+    ]
+    if web.is_dir():
+        routes.append(Mount("/static", StaticFiles(directory=web), name="static"))
+    else:
+        logger.warning("web UI directory %s not found; / and /static/ will answer 404", web)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.sessions = sessions
+    app.state.engine = engine
+    app.state.metrics = metrics
+    return app
+
+
+async def _probe_loop_lag(metrics: EngineMetrics, interval: float) -> None:
+    """Sleep ``interval`` s repeatedly; the overshoot is how long ready callbacks waited."""
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        await asyncio.sleep(interval)
+        metrics.observe_loop_lag(loop.time() - started - interval)

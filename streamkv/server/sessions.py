@@ -1,0 +1,184 @@
+"""Chat sessions: a conversation's token history and its lifecycle.
+
+The engine holds a session's KV blocks (its pin); the server holds the
+conversation as token ids and decides when the pin is dropped
+(``engine.release_session``).
+
+Lifecycle (one place; an illegal transition raises)::
+
+    create ──> IDLE ──turn──> GENERATING ──turn ends──> IDLE
+               IDLE ──socket closes, resumable──> DETACHED ──resume──> IDLE
+               IDLE ──reset / socket closes / shutdown──> CLOSED
+           DETACHED ──idle past session_ttl / shutdown──> CLOSED
+
+A turn always ends (GENERATING -> IDLE) before its socket lets go of the
+session, so a session is never detached or released mid-turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from streamkv.errors import EngineError
+
+logger = logging.getLogger(__name__)
+
+
+class SessionState(enum.Enum):
+    IDLE = "idle"  # attached to a socket, no turn in flight
+    GENERATING = "generating"  # attached, one turn in flight
+    DETACHED = "detached"  # resumable, no socket; the TTL clock runs
+    CLOSED = "closed"  # pin released, history forgotten (terminal)
+
+
+_TRANSITIONS: dict[SessionState, frozenset[SessionState]] = {
+    SessionState.IDLE: frozenset({SessionState.GENERATING, SessionState.DETACHED, SessionState.CLOSED}),
+    SessionState.GENERATING: frozenset({SessionState.IDLE}),
+    SessionState.DETACHED: frozenset({SessionState.IDLE, SessionState.CLOSED}),
+    SessionState.CLOSED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A session was asked to move along an edge the lifecycle does not have (a server bug)."""
+
+
+@dataclass(slots=True)
+class Session:
+    """One conversation.
+
+    Attributes:
+        session_id: unguessable (it is the capability to resume).
+        history: prompt ids of the last turn plus the ids generated for
+            sample 0; the next turn's prompt starts with exactly these.
+        resumable: keep the session after its socket closes (until the TTL).
+        last_active: monotonic seconds of the last state change.
+    """
+
+    session_id: str
+    history: list[int] = field(default_factory=list)
+    resumable: bool = False
+    state: SessionState = SessionState.IDLE
+    last_active: float = 0.0
+    num_turns: int = 0
+
+    def transition(self, new: SessionState, now: float) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise IllegalTransition(f"session {self.session_id}: cannot go from {self.state.value} to {new.value}")
+        self.state = new
+        self.last_active = now
+
+
+class SessionRegistry:
+    """All live sessions of one server; event-loop only (not thread-safe).
+
+    Args:
+        release_fn: drops the engine's pin (``engine.release_session``).
+        ttl: seconds a detached session waits for a resume before release.
+        max_sweep: most sessions one sweep releases (keeps each sweep short).
+    """
+
+    def __init__(
+        self,
+        release_fn: Callable[[str], None],
+        ttl: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_sweep: int = 256,
+    ) -> None:
+        self._release_fn = release_fn
+        self.ttl = ttl
+        self._clock = clock
+        self._max_sweep = max_sweep
+        self._sessions: dict[str, Session] = {}
+        # Detached sessions in detach order, hence in expiry order.
+        self._detached: OrderedDict[str, Session] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    @property
+    def num_detached(self) -> int:
+        return len(self._detached)
+
+    def create(self, *, resumable: bool = False) -> Session:
+        session = Session(secrets.token_urlsafe(16), resumable=resumable, last_active=self._clock())
+        self._sessions[session.session_id] = session
+        return session
+
+    def resume(self, session_id: str) -> Session:
+        """Attach a detached session to a new socket.
+
+        Raises:
+            EngineError: ``unknown_session`` (never existed, released or
+                expired), ``session_busy`` (another socket holds it).
+        """
+        session = self._sessions.get(session_id)
+        if session is not None and session.state is SessionState.DETACHED and self._expired(session):
+            self.release(session)
+            session = None
+        if session is None:
+            raise EngineError("unknown_session", f"session {session_id!r} is unknown or has expired")
+        if session.state is not SessionState.DETACHED:
+            raise EngineError("session_busy", f"session {session_id!r} is attached to another connection")
+        del self._detached[session_id]
+        session.transition(SessionState.IDLE, self._clock())
+        return session
+
+    def detach(self, session: Session) -> None:
+        """The session's socket closed: keep it for a resume if resumable, else release it."""
+        if not session.resumable:
+            self.release(session)
+            return
+        session.transition(SessionState.DETACHED, self._clock())
+        self._detached[session.session_id] = session
+
+    def release(self, session: Session) -> None:
+        """Forget the session and drop its pin (idempotent)."""
+        if session.state is SessionState.CLOSED:
+            return
+        session.transition(SessionState.CLOSED, self._clock())
+        self._sessions.pop(session.session_id, None)
+        self._detached.pop(session.session_id, None)
+        session.history = []
+        try:
+            self._release_fn(session.session_id)
+        except Exception:
+            logger.exception("engine.release_session(%s) failed", session.session_id)
+
+    def sweep(self) -> int:
+        """Release up to ``max_sweep`` detached sessions idle past the TTL; returns how many."""
+        released = 0
+        while self._detached and released < self._max_sweep:
+            session = next(iter(self._detached.values()))
+            if not self._expired(session):
+                break
+            self.release(session)
+            released += 1
+        return released
+
+    def close_all(self) -> None:
+        """Shutdown: release every session that no socket holds (attached ones close with their socket)."""
+        for session in list(self._detached.values()):
+            self.release(session)
+
+    async def run_sweeper(self) -> None:
+        """Sweep forever at a quarter of the TTL (between 10 ms and 30 s); cancel to stop."""
+        interval = min(max(self.ttl / 4.0, 0.01), 30.0)
+        while True:
+            await asyncio.sleep(interval)
+            while self.sweep() == self._max_sweep:
+                await asyncio.sleep(0)  # more have expired: next batch after other work
+
+    def _expired(self, session: Session) -> bool:
+        return self._clock() - session.last_active > self.ttl

@@ -1,0 +1,237 @@
+"""``streamkv serve`` option handling and ``streamkv chat`` against a live (fake) server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import signal
+import subprocess
+import sys
+import types
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_engine import FakeChat, FakeEngine, token_at, token_text
+from server_harness import RunningServer, wait_for
+from starlette.applications import Starlette
+
+from streamkv.config import CacheConfig, SchedulerConfig
+from streamkv.server import cli
+from streamkv.server.chat_client import ChatOptions, interactive, one_shot
+from streamkv.server.cli import build_configs, build_parser, main, parse_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("4096", 4096),
+        ("512MiB", 512 << 20),
+        ("1GiB", 1 << 30),
+        ("1.5gib", 3 << 29),
+        ("2G", 2 * 10**9),
+        ("64 KiB", 64 << 10),
+        ("10mb", 10**7),
+        ("3Mi", 3 << 20),
+    ],
+)
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "12XB", "-1GiB", "0", "1e9", "0.1"])
+def test_parse_bytes_rejects(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes(text)
+
+
+def test_serve_defaults_match_the_configs() -> None:
+    engine, server = build_configs(build_parser().parse_args(["serve"]))
+    assert engine.cache == CacheConfig()
+    assert engine.scheduler == SchedulerConfig()
+    assert engine.model.model is None and engine.model.device == "auto"
+    assert (server.host, server.port) == ("127.0.0.1", 8000)
+
+
+def test_serve_options_reach_the_configs() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "m.gguf",
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "256MiB",
+            "--gpu-memory-utilization",
+            "none",
+            "--num-blocks",
+            "100",
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "256",
+            "--preemption-mode",
+            "swap",
+            "--no-prefix-caching",
+            "--max-pinned-fraction",
+            "0.25",
+            "--session-ttl",
+            "60",
+            "--swap-space",
+            "1GiB",
+            "--dtype",
+            "bfloat16",
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch",
+            "--stats-interval",
+            "0.5",
+            "--port",
+            "9000",
+            "--host",
+            "0.0.0.0",
+        ]
+    )
+    engine, server = build_configs(args)
+    assert engine.model.model == "m.gguf" and engine.model.dtype == "bfloat16" and engine.model.device == "cpu"
+    assert engine.cache.block_size == 32 and engine.cache.kv_cache_memory == 256 << 20
+    assert engine.cache.gpu_memory_utilization is None and engine.cache.num_blocks == 100
+    assert not engine.cache.enable_prefix_caching and engine.cache.max_pinned_fraction == 0.25
+    assert engine.cache.session_ttl == 60 and engine.cache.swap_space == 1 << 30
+    assert engine.scheduler.max_model_len == 1024 and engine.scheduler.preemption_mode == "swap"
+    assert engine.scheduler.max_num_seqs == 8 and engine.scheduler.max_num_batched_tokens == 256
+    assert (server.host, server.port, server.stats_interval) == ("0.0.0.0", 9000, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--block-size", "24"], "--block-size: block_size must be a power of two"),
+        (["--session-ttl", "0"], "--session-ttl: session_ttl must be positive"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--port", "70000"], "--port"),
+        (["--kv-cache-memory", "lots"], "not a size in bytes"),
+        (["--preemption-mode", "drop"], "invalid choice"),
+    ],
+)
+def test_bad_serve_options_are_clean_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_serve_wires_engine_metrics_app_and_uvicorn(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: dict[str, Any] = {}
+
+    class Engine(FakeEngine):
+        def __init__(self, config: Any, metrics: Any = None) -> None:
+            super().__init__(metrics=metrics)
+            built["config"], built["metrics"] = config, metrics
+
+    monkeypatch.setitem(sys.modules, "streamkv.engine", types.SimpleNamespace(AsyncEngine=Engine))
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: built.update(app=app, **kw))
+    assert main(["serve", "--port", "8123", "--num-blocks", "64", "--log-level", "warning"]) == 0
+    assert built["config"].cache.num_blocks == 64 and built["metrics"] is not None
+    assert isinstance(built["app"], Starlette)
+    assert built["port"] == 8123 and built["host"] == "127.0.0.1" and built["ws"] == "websockets-sansio"
+
+
+def test_help_does_not_import_torch() -> None:
+    code = "import sys, streamkv.server.cli as c; assert 'torch' not in sys.modules and 'uvicorn' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=20)
+    out = subprocess.run(
+        [sys.executable, "-m", "streamkv", "--help"], capture_output=True, text=True, cwd=REPO, timeout=20, check=True
+    )
+    assert "serve" in out.stdout and "chat" in out.stdout
+
+
+# ------------------------------------------------------------------ chat
+
+
+def answer(prompt: list[int], n: int) -> str:
+    return "".join(token_text(token_at(len(prompt), step, 0)) for step in range(n))
+
+
+def test_one_shot(server: RunningServer, engine: FakeEngine, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["chat", "--url", server.ws_url(), "-m", "hi there", "--max-tokens", "4", "--system", "sys"])
+    assert code == 0
+    assert capsys.readouterr().out == answer(FakeChat().first_turn("hi there", "sys"), 4) + "\n"
+    req = engine.requests[0]
+    assert req.params.max_tokens == 4 and req.params.temperature == 0.7
+
+
+def test_one_shot_error_and_unreachable(server: RunningServer) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    assert asyncio.run(one_shot(ChatOptions(url=server.ws_url(), max_tokens=5000), "hi", out, err)) == 1
+    assert "prompt_too_long" in err.getvalue()
+    assert asyncio.run(one_shot(ChatOptions(url="ws://127.0.0.1:9/ws/chat"), "hi", out, err)) == 2
+
+
+class InterruptOnFirstText(io.StringIO):
+    """Presses Ctrl-C as soon as the answer starts (inside the event loop, while the handler is set)."""
+
+    def write(self, s: str) -> int:
+        if s and not self.getvalue():
+            signal.raise_signal(signal.SIGINT)
+        return super().write(s)
+
+
+def test_ctrl_c_cancels_the_answer(server: RunningServer, engine: FakeEngine) -> None:
+    out, err = InterruptOnFirstText(), io.StringIO()
+    code = asyncio.run(one_shot(ChatOptions(url=server.ws_url(), max_tokens=1000), "long", out, err))
+    assert code == 130
+    assert len(engine.aborted) == 1
+    assert 0 < len(out.getvalue().split()) < 1000
+
+
+async def lines(*items: str) -> AsyncIterator[str]:
+    for item in items:
+        yield item
+
+
+def test_interactive_keeps_the_session_and_resets(server: RunningServer, engine: FakeEngine) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    options = ChatOptions(url=server.ws_url(), max_tokens=3)
+    code = asyncio.run(interactive(options, lines("hello", "", "more", "/reset", "fresh", "/quit", "never"), out, err))
+    assert code == 0
+    chat = FakeChat()
+    p1 = chat.first_turn("hello", None)
+    assert [r.prompt_ids[: len(p1)] == p1 for r in engine.requests] == [True, True, False]
+    assert engine.requests[2].prompt_ids == chat.first_turn("fresh", None)
+    # reset released the first session, closing the socket the second
+    wait_for(lambda: engine.released == [engine.requests[0].session_id, engine.requests[2].session_id])
+    assert out.getvalue().startswith(answer(p1, 3) + "\n")
+    assert "(new conversation)" in err.getvalue() and "[length; 3 tokens" in err.getvalue()
+
+
+def test_streamkv_chat_reads_stdin(server: RunningServer, engine: FakeEngine) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamkv", "chat", "--url", server.ws_url(), "--max-tokens", "2"],
+        input="one\ntwo\n",
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=20,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(engine.requests) == 2 and engine.requests[0].session_id == engine.requests[1].session_id
+    assert proc.stdout.count("\n") == 2
+
+
+def test_cli_module_is_the_console_script() -> None:
+    assert cli.main is main
