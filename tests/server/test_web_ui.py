@@ -1,0 +1,81 @@
+"""The page as a person sees it: headless Chromium chats and watches the block map."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_harness import RunningServer, make_server
+
+from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from streamkv.metrics import EngineMetrics
+from streamkv.model.loader import LoadedModel
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow, pytest.mark.browser]
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = [
+    "--no-sandbox",  # CI runs as root in a sandbox of its own
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+
+
+@pytest.fixture
+def web_server(tiny_model_dir: str, tiny: LoadedModel) -> Iterator[RunningServer]:
+    from streamkv.engine import AsyncEngine
+
+    config = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir, device="cpu"),
+        cache=CacheConfig(num_blocks=2048),
+        scheduler=SchedulerConfig(max_model_len=1024),
+    )
+    metrics = EngineMetrics()
+    with make_server(AsyncEngine(config, metrics, loaded=tiny), metrics=metrics) as srv:
+        yield srv
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_page_streams_an_answer_and_maps_its_blocks(web_server: RunningServer, output_dir: Path) -> None:
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(web_server.http_url + "/")
+            page.wait_for_selector("#stats-conn[data-state=open]", timeout=20_000)
+            page.fill("#chat-input", "Tell me about paged attention in two sentences.")
+            page.click("#send")
+            # the answer streams in: text appears before the turn is done
+            page.wait_for_function(
+                "() => { const m = document.querySelector('.msg.assistant .body');"
+                " return m && m.textContent.length > 0; }",
+                timeout=60_000,
+            )
+            page.wait_for_selector(".msg.assistant.done", timeout=120_000)
+            answer = page.inner_text(".msg.assistant .body")
+            assert answer.strip(), "empty answer"
+            assert page.get_attribute(".msg.assistant", "data-finish-reason") in ("stop", "length")
+            # the block map shows non-free cells, and this conversation's blocks outlined
+            page.wait_for_function(
+                "() => { const c = document.getElementById('blockmap');"
+                " return +c.dataset.nonfree > 0 && +c.dataset.ownBlocks > 0; }",
+                timeout=20_000,
+            )
+            canvas = page.locator("#blockmap")
+            assert int(canvas.get_attribute("data-num-blocks") or 0) == 2048
+            own = int(canvas.get_attribute("data-own-blocks") or 0)
+            session_id = page.evaluate("() => window.streamkvSessionId")
+            snap = web_server.engine.snapshot(session_id)
+            assert own == len(snap["session_blocks"][session_id])
+            page.screenshot(path=str(output_dir / "web_ui.png"))
+            assert not errors, errors
+        finally:
+            browser.close()
