@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU acceptance for the Triton kernels, sized for ~5 minutes on one H200:
+#   1. the compiled kernel tests (pytest -m gpu tests/kernels, TRITON_INTERPRET=0);
+#   2. load_tests/gpu_check.py microbenchmarks; extra arguments go to it
+#      (e.g. --out DIR, --e2e).
+# Exit status: the tests' if they failed, else the benchmark script's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+export TRITON_INTERPRET=0
+
+"$PY" -m pytest -m gpu tests/kernels -q -p no:cacheprovider
+tests_rc=$?
+"$PY" load_tests/gpu_check.py "$@"
+bench_rc=$?
+if [ "$tests_rc" -ne 0 ]; then
+  exit "$tests_rc"
+fi
+exit "$bench_rc"
