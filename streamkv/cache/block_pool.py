@@ -121,10 +121,10 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of block {block.block_id}")
+            if block.ref_cnt <= block.pin_cnt:  # checked first: a refused free changes nothing
+                raise ValueError(f"block {block.block_id} freed while pinned")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.pin_cnt:
-                    raise ValueError(f"block {block.block_id} freed while pinned")
                 self.free_queue.append(block)
             self._refresh(block)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -176,7 +176,7 @@ class KVCacheManager:
         """Release a sequence's blocks (tail first) and any host blocks."""
         blocks = self.seq_blocks.pop(seq_id, None)
         if blocks:
-            self.pool.free(reversed(blocks))
+            self._free_blocks(reversed(blocks))
         host = self.swapped.pop(seq_id, None)
         if host:
             self.host.free(host)
@@ -193,7 +193,12 @@ class KVCacheManager:
         self._num_committed[child.seq_id] = self._num_committed.get(parent.seq_id, 0)
 
     def take_copies(self) -> list[tuple[int, int]]:
-        """COW block copies ``(src, dst)`` made since the last call; the runner applies them."""
+        """COW block copies ``(src, dst)`` made since the last call; the runner applies them.
+
+        A copy whose destination was freed before this call (its sequence was
+        preempted in the same step) is dropped: the block may already serve
+        another sequence, and two copies into one block race.
+        """
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
@@ -213,10 +218,10 @@ class KVCacheManager:
         self._num_committed.pop(seq.seq_id, None)
         num_keep = cdiv(seq.num_computed_tokens, self.block_size)
         if len(blocks) > num_keep:
-            self.pool.free(reversed(blocks[num_keep:]))
+            self._free_blocks(reversed(blocks[num_keep:]))
         keep = blocks[:num_keep]
         if not keep or len(keep) > self.max_pinned_blocks:
-            self.pool.free(reversed(keep))
+            self._free_blocks(reversed(keep))
             return False
         while self.num_pinned_blocks + len(keep) > self.max_pinned_blocks and self.unpin_lru():
             pass
@@ -254,7 +259,7 @@ class KVCacheManager:
             return False
         self.pool.unpin(pin.blocks)
         self.num_pinned_blocks -= len(pin.blocks)
-        self.pool.free(reversed(pin.blocks))
+        self._free_blocks(reversed(pin.blocks))
         return True
 
     def unpin_lru(self) -> bool:
@@ -272,19 +277,25 @@ class KVCacheManager:
         """Move a sequence's computed blocks to the host tier.
 
         Returns ``(device_block, host_block)`` copies for the runner, to be
-        applied before this step's forward. Device references are dropped.
+        applied before this step's forward and before its copy-on-write
+        copies (the runner's order): a block copied on write earlier in this
+        step is still empty then, so its copy reads from the COW source.
+        Device references are dropped.
 
         Raises:
             ValueError: the host tier lacks room (check :meth:`can_swap_out`).
         """
-        blocks = self.seq_blocks.pop(seq.seq_id)
+        blocks = self.seq_blocks[seq.seq_id]
         keep = blocks[: cdiv(seq.num_computed_tokens, self.block_size)]
-        host_ids = self.host.allocate(len(keep))
+        host_ids = self.host.allocate(len(keep))  # raises before anything changes
+        del self.seq_blocks[seq.seq_id]
         self.swapped[seq.seq_id] = host_ids
-        self.pool.free(reversed(blocks))
+        cow_src = {dst: src for src, dst in self._pending_copies}
+        mapping = [(cow_src.get(b.block_id, b.block_id), h) for b, h in zip(keep, host_ids)]
+        self._free_blocks(reversed(blocks))
         self._num_committed.pop(seq.seq_id, None)
         self.num_swapped_out_blocks += len(keep)
-        return [(b.block_id, h) for b, h in zip(keep, host_ids)]
+        return mapping
 
     def swap_in(self, seq: CacheSeq) -> list[tuple[int, int]] | None:
         """Bring a swapped sequence back; ``(host_block, device_block)`` copies or ``None`` if no room."""
@@ -331,6 +342,13 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs], self.extra_key))
         return hashes
+
+    def _free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, and pending copies into blocks now free."""
+        self.pool.free(blocks)
+        if self._pending_copies:
+            refs = self.pool.blocks
+            self._pending_copies = [(s, d) for s, d in self._pending_copies if refs[d].ref_cnt > 0]
 
     def _copy_on_write(self, blocks: list[KVBlock], idx: int) -> None:
         old = blocks[idx]
