@@ -235,21 +235,35 @@ class KVCacheManager:
     def adopt_session(self, session_id: str, seq: CacheSeq) -> int:
         """Continue a session's pinned blocks in a new sequence of that session.
 
-        Returns the number of tokens now computed for ``seq`` (0 when the pin
-        is missing or its tokens do not prefix the new prompt; a stale pin is
-        released). The caller sets ``num_computed_tokens`` to the result.
+        Reuses the longest common prefix of the pinned tokens and the new
+        prompt (a cancelled turn may have computed a token the client never
+        saw), capped so the prompt's last token is computed; blocks past it
+        are freed. A partly reused block that is a cached full block is not
+        reused (its other tokens must stay intact for prefix hits): the
+        prefix then ends at its start. Returns the number of tokens now
+        computed for ``seq`` (0: nothing reusable, the pin is released); the
+        caller sets ``num_computed_tokens`` to it.
         """
         pin = self.sessions.get(session_id)
         if pin is None:
             return 0
-        n = len(pin.token_ids)
-        if seq.seq_id in self.seq_blocks or n >= len(seq.token_ids) or seq.token_ids[:n] != pin.token_ids:
+        bs = self.block_size
+        limit = min(len(pin.token_ids), len(seq.token_ids) - 1)
+        if seq.token_ids[:limit] == pin.token_ids[:limit]:
+            n = limit
+        else:
+            n = next(i for i in range(limit) if seq.token_ids[i] != pin.token_ids[i])
+        if n % bs and pin.blocks[n // bs].block_hash is not None:
+            n -= n % bs
+        if n == 0 or seq.seq_id in self.seq_blocks:
             self.release_session(session_id)
             return 0
         del self.sessions[session_id]
         self.pool.unpin(pin.blocks)
         self.num_pinned_blocks -= len(pin.blocks)
-        self.seq_blocks[seq.seq_id] = pin.blocks
+        keep = cdiv(n, bs)
+        self._free_blocks(reversed(pin.blocks[keep:]))
+        self.seq_blocks[seq.seq_id] = pin.blocks[:keep]
         return n
 
     def release_session(self, session_id: str) -> bool:

@@ -463,28 +463,41 @@ def test_pinning_a_session_again_replaces_its_pin() -> None:
     free_all(kv)
 
 
-@pytest.mark.parametrize("how", ["changed", "equal", "shorter"])
-def test_a_pin_that_does_not_prefix_the_prompt_is_released(how: str) -> None:
+@pytest.mark.parametrize(
+    "how, reused",
+    [
+        ("changed", 35),  # differs inside the partial block: reuse up to the difference
+        ("equal", 39),  # nothing new: the last token must still be computed
+        ("shorter", 16),  # ends inside a cached full block: never overwrite it, stop at its start
+        ("unrelated", 0),
+    ],
+)
+def test_adopt_reuses_the_longest_common_prefix(how: str, reused: int) -> None:
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     turn1 = Seq(1, tokens(40))
     admit(kv, turn1)
     assert finish_turn(kv, "s", turn1)
+    old_table = [b.block_id for b in kv.sessions["s"].blocks]
     history = tokens(40)
     if how == "changed":
-        history[35] = 1  # the partial block differs
+        history[35] = 1
         prompt = history + [5, 6]
     elif how == "equal":
-        prompt = history  # nothing left to compute: the last token must be
-    else:
+        prompt = history
+    elif how == "shorter":
         prompt = history[:30]
+    else:
+        prompt = [7] + history
     turn2 = Seq(2, prompt)
-    assert kv.adopt_session("s", turn2) == 0
+    assert kv.adopt_session("s", turn2) == reused
     assert "s" not in kv.sessions and kv.num_pinned_blocks == 0
-    assert not kv.has_blocks(2)
+    if reused:
+        assert kv.block_table(2) == old_table[: -(-reused // BS)]
+        turn2.num_computed_tokens = reused
+        assert kv.allocate_slots(turn2, len(prompt) - reused)
+    else:
+        assert not kv.has_blocks(2)
     check(kv)
-    # the full blocks of the old pin still serve prefix hits
-    want = min(2, (len(prompt) - 1) // BS)
-    assert admit(kv, turn2) == want * BS
     assert kv.adopt_session("missing", Seq(3, tokens(3))) == 0
     free_all(kv, turn2)
 
