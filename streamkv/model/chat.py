@@ -1,0 +1,118 @@
+"""Chat prompts from the tokenizer's own chat template, turn by turn.
+
+A session keeps its history as token ids (and its KV cache as pinned blocks),
+so turn N+1 must only *append* ids::
+
+    turn 1 prompt   = render([system?, user1], generation prompt)
+    history         = turn 1 prompt ids + generated ids (ending on EOS or cut by max_tokens)
+    turn 2 appended = close the assistant turn (unless EOS already did)
+                      + render(.., user2, generation prompt) minus render(..)
+
+The appended text is found the standard way: render a reference conversation
+with and without the new user turn and take the text suffix; the closing text
+of an assistant turn is what the template writes after an assistant message's
+content (``<|im_end|>\\n`` for ChatML). Suffixes are tokenized without special
+tokens, so no BOS is ever added mid-conversation.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+# Contents of the reference conversation's earlier turns: any text the template
+# copies verbatim works; these never collide with template syntax.
+_USER = "\u2063streamkv-user\u2063"
+_ASSISTANT = "\u2063streamkv-assistant\u2063"
+
+
+class ChatFormatter:
+    """Prompt ids for a conversation under ``tokenizer.chat_template``.
+
+    Args:
+        tokenizer: a tokenizer with a chat template.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or the template does
+            not render a conversation as a prefix of its continuation.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        if not tokenizer.chat_template:
+            raise ValueError("the tokenizer has no chat template")
+        self.tokenizer = tokenizer
+        self._special_prefix = _auto_special_prefix(tokenizer)
+        before = self._render([_user(_USER), _assistant(_ASSISTANT)], add_generation_prompt=False)
+        after = self._render([_user(_USER), _assistant(_ASSISTANT), _user(_USER)], add_generation_prompt=True)
+        if not after.startswith(before) or _ASSISTANT not in before:
+            raise ValueError("the chat template does not render a conversation as a prefix of its continuation")
+        closing = before[before.rindex(_ASSISTANT) + len(_ASSISTANT) :]
+        eos = tokenizer.eos_token or ""
+        self._reference = before
+        self._closing = closing
+        # When generation stops on EOS, the EOS token already sits in the history.
+        self._closing_after_eos = closing[len(eos) :] if eos and closing.startswith(eos) else closing
+
+    def first_turn(self, user: str, system: str | None = None) -> list[int]:
+        """Prompt ids of a new conversation, generation prompt included.
+
+        The special prefix (BOS) appears exactly once, whether the template
+        writes it, the tokenizer adds it, or both would.
+        """
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [_user(user)]
+        text = self._render(messages, add_generation_prompt=True)
+        ids = self._encode(text)
+        prefix = self._special_prefix
+        if prefix and ids[: len(prefix)] != prefix:
+            ids = prefix + ids
+        return ids
+
+    def next_turn(self, user: str, last_finished_on_eos: bool) -> list[int]:
+        """Ids to append to ``previous prompt ids + generated ids`` for a new user turn.
+
+        Args:
+            user: the new user message.
+            last_finished_on_eos: the previous generation's last id is the EOS
+                token that opens the template's end-of-turn text (so only the
+                rest of that text is appended); ``False`` when it stopped for
+                another reason (max_tokens, a stop string) and the whole
+                end-of-turn text is needed.
+
+        Returns:
+            Ids whose text, after the history's, equals the template rendering
+            of the whole conversation plus the generation prompt.
+        """
+        closing = self._closing_after_eos if last_finished_on_eos else self._closing
+        # The template renders the reference conversation's earlier turns identically
+        # with and without the new turn, so the suffix is the new turn alone.
+        after = self._render([_user(_USER), _assistant(_ASSISTANT), _user(user)], add_generation_prompt=True)
+        if not after.startswith(self._reference):
+            raise ValueError("the chat template renders earlier turns differently once a user turn follows")
+        return self._encode(closing + after[len(self._reference) :])
+
+    # --- internals ---------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert isinstance(text, str)
+        return text
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _user(content: str) -> dict[str, str]:
+    return {"role": "user", "content": content}
+
+
+def _assistant(content: str) -> dict[str, str]:
+    return {"role": "assistant", "content": content}
+
+
+def _auto_special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids the tokenizer itself puts before any text (e.g. ``[bos]``), possibly empty."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return list(full[:start])
+    return []

@@ -1,0 +1,477 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat paged batch.
+
+Reads top-down like the maths: config, the model, a decoder layer, attention,
+the SwiGLU MLP, RMSNorm, RoPE. One step's tokens arrive flat (``T`` tokens of
+``B`` sequences, see :mod:`streamkv.attention.metadata`); attention delegates
+to an :class:`AttentionBackend` that writes and reads the paged KV cache.
+
+For CPU speed, the q/k/v projections run as one matmul (``qkv_proj``) and the
+gate/up projections as another (``gate_up_proj``): the checkpoint's weights are
+concatenated at load (vLLM does the same). RoPE cos/sin are precomputed for
+every position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamkv.attention.backend import AttentionBackend
+from streamkv.attention.metadata import AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.1 style frequency scaling (``rope_type: llama3``) or plain ``linear``.
+
+    Attributes:
+        rope_type: ``llama3`` or ``linear``.
+        factor: how much longer the context is than in pretraining.
+        low_freq_factor, high_freq_factor: llama3 band edges (wavelength divisors).
+        original_max_position_embeddings: pretraining context of llama3 scaling.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """The architecture numbers our forward pass needs, read from a transformers config.
+
+    Attributes:
+        model_type: ``llama``, ``mistral`` or ``qwen2``.
+        qkv_bias: q/k/v projections carry a bias (Qwen2; Llama with ``attention_bias``).
+        o_bias: the output projection carries a bias (Llama with ``attention_bias``).
+        mlp_bias: gate/up/down carry a bias (Llama with ``mlp_bias``).
+        sliding_window: attention window in tokens, or ``None`` for full attention.
+            The forward pass attends to the full context, which is exact only for
+            sequences no longer than the window; the loader caps ``max_model_len``.
+    """
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, not {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> LlamaConfig:
+        """Read a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config``.
+
+        Raises:
+            ValueError: an unsupported architecture, activation or RoPE scaling type.
+        """
+        model_type = hf_config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (SwiGLU needs silu)")
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        rope_theta, rope_scaling = _read_rope(hf_config)
+        return cls(
+            model_type=model_type,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=hf_config.num_attention_heads,
+            num_key_value_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            vocab_size=hf_config.vocab_size,
+            tie_word_embeddings=bool(hf_config.tie_word_embeddings),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type == "llama" and attention_bias,
+            mlp_bias=model_type == "llama" and bool(getattr(hf_config, "mlp_bias", False)),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            sliding_window=getattr(hf_config, "sliding_window", None),
+        )
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack plus LM head; parameter names follow the transformers checkpoint.
+
+    Args:
+        config: architecture numbers.
+        max_positions: RoPE table length (defaults to ``max_position_embeddings``);
+            positions must stay below it.
+    """
+
+    def __init__(self, config: LlamaConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        )
+        self.packed_lm_head: torch.Tensor | None = None
+        self.max_positions = max_positions or config.max_position_embeddings
+        # Filled by reset_rope() once the weights are in (the loader calls it).
+        self.register_buffer("rope_cos", torch.empty(self.max_positions, config.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(self.max_positions, config.head_dim), persistent=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run one step's flat batch through the decoder.
+
+        Args:
+            input_ids: int64 ``[T]``.
+            positions: int64 ``[T]``, each token's position in its sequence.
+            kv_caches: one ``[2, num_blocks, block_size, Hkv, D]`` tensor per layer,
+                written at ``meta.slot_mapping``.
+            meta: the step's attention metadata.
+            backend: the paged attention implementation.
+
+        Returns:
+            ``[T, hidden_size]`` final-normed hidden states, in the model's dtype.
+        """
+        # Indexed once per step, shared by every layer: [T, 1, D] broadcasts over heads.
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        return self.model(input_ids, cos, sin, kv_caches, meta, backend)
+
+    @torch.no_grad()
+    def reset_rope(self, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        """(Re)compute the RoPE tables: float32 angles, stored in ``dtype`` (as transformers casts them)."""
+        cos, sin = rope_tables(self.config, self.max_positions)
+        self.rope_cos = cos.to(device=device, dtype=dtype)
+        self.rope_sin = sin.to(device=device, dtype=dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H]`` (rows that sample) -> float32 logits ``[N, vocab_size]``."""
+        if self.packed_lm_head is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_lm_head, None, "none", [], "")
+        else:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head
+            logits = F.linear(hidden, weight)
+        return logits.float()
+
+    @torch.no_grad()
+    def prepack_cpu_weights(self, batch_size_hint: int = 32) -> bool:
+        """Move every matmul onto oneDNN-prepacked weights (see :class:`Linear`).
+
+        CPU only; one-way (dense projection weights are released; a tied
+        embedding keeps its dense table for lookups and gains a packed copy for
+        the LM head). Call after the weights are loaded.
+
+        Args:
+            batch_size_hint: rows per matmul the packed layout is tuned for
+                (any row count works).
+
+        Returns:
+            False, changing nothing, when oneDNN is unavailable or cannot take
+            this dtype on this CPU (the plain ``F.linear`` path then runs).
+        """
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head
+        if head.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        try:
+            packed_head = pack_linear_weight(head, batch_size_hint)
+        except RuntimeError:
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack(batch_size_hint)
+        self.packed_lm_head = packed_head
+        if self.lm_head is not None:
+            self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
+        return True
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """``input_ids [T]``, ``cos/sin [T, 1, D]`` -> normed hidden ``[T, H]``."""
+        h = F.embedding(input_ids, self.embed_tokens.weight)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta, backend)
+        return self.norm(h)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """``h [T, H]`` -> ``[T, H]``."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: ``Hq`` query heads share ``Hkv`` KV heads, RoPE on q and k."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, qkv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``; writes this step's K/V into ``kv_cache``."""
+        num_tokens = x.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d), cos, sin)
+        q, k = qk[:, :hq], qk[:, hq:]
+        v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, hq * d))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``."""
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Linear(nn.Linear):
+    """``y = x W^T + b``, optionally from a oneDNN-prepacked ``W`` on the CPU.
+
+    torch's default CPU matmul goes through MKL, which on some x86 CPUs (AMD
+    EPYC among them) runs 1.3x (one row) to 2.5x (32+ rows) slower than
+    oneDNN's kernels on a weight reordered once into oneDNN's blocked layout.
+    After :meth:`prepack` the dense weight is released and only the packed one
+    is used (inference only, CPU only).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.packed_weight: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [N, in]`` -> ``[N, out]``."""
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    @torch.no_grad()
+    def prepack(self, batch_size_hint: int) -> None:
+        """Reorder the weight for oneDNN and drop the dense copy.
+
+        Raises:
+            RuntimeError: oneDNN cannot take this dtype on this CPU (e.g. float16 without AVX512-FP16).
+        """
+        self.packed_weight = pack_linear_weight(self.weight, batch_size_hint)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 like transformers."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]`` in ``x``'s dtype."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # transformers rounds the normed activations to x's dtype before the weight multiplies.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+def pack_linear_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
+    """oneDNN's blocked copy of a ``[out, in]`` weight for ``torch.ops.mkldnn._linear_pointwise``.
+
+    These are the ops torch.compile's CPU backend (Inductor) freezes linears into.
+
+    Raises:
+        RuntimeError: oneDNN cannot take this dtype on this CPU.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size_hint)
+
+
+# --- RoPE ----------------------------------------------------------------
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head's halves: ``x * cos + rotate_half(x) * sin`` (GPT-NeoX / HF layout).
+
+    ``rotate_half([x1, x2]) = [-x2, x1]``; the sign lives in ``sin``'s table
+    (``[-sin, sin]``), so the rotation is a swap of the halves.
+
+    Args:
+        x: ``[T, H, D]``, any strides with a unit last stride.
+        cos: ``[T, 1, D]`` rows of :func:`rope_tables`' ``cos``.
+        sin: ``[T, 1, D]`` rows of its signed ``sin``.
+
+    Returns:
+        ``[T, H, D]`` contiguous.
+    """
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+def rope_tables(config: LlamaConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Precompute RoPE tables for positions ``0 .. max_positions-1``.
+
+    The angles are ``position * inv_freq`` in float32, exactly as transformers
+    computes them (``inv_freq = theta ** (-2i / D)``, optionally rescaled).
+
+    Returns:
+        ``(cos, sin)``, float32 ``[max_positions, D]``: ``cos = [c, c]`` and
+        ``sin = [-s, s]`` for the half-split rotation of :func:`apply_rope`.
+    """
+    inv_freq = rope_inv_freq(config)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """float32 ``[D/2]`` inverse frequencies, with llama3 / linear scaling applied.
+
+    Source: transformers ``modeling_rope_utils`` (``_compute_default_rope_parameters``,
+    ``_compute_linear_scaling_rope_parameters``, ``_compute_llama3_parameters``).
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _read_rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, scaling)`` from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``.
+
+    Raises:
+        ValueError: a scaling type other than default, linear or llama3.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if legacy and not params.get("factor"):
+        params = {**params, **legacy}
+    theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "linear":
+        return float(theta), RopeScaling("linear", float(params["factor"]))
+    if rope_type == "llama3":
+        return float(theta), RopeScaling(
+            "llama3",
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(params.get("original_max_position_embeddings") or hf_config.max_position_embeddings),
+        )
+    raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; supported: default, linear, llama3")

