@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     serve.set_defaults(subparser=serve)
 
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for the engine (default: torch's, one per core); "
+        "fewer than the cores leaves room for other processes",
+    )
+
     chat = sub.add_parser("chat", help="chat with a running server from the terminal")
     chat.add_argument("--url", default="ws://127.0.0.1:8000/ws/chat")
     chat.add_argument("-m", "--message", default=None, help="one-shot: ask this, print the answer, exit")
@@ -145,7 +153,8 @@ def _name_the_flag(message: str, args: argparse.Namespace) -> str:
     return message
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str) -> None:
+def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str, threads: int | None = None) -> None:
+    import torch
     import uvicorn
 
     from streamkv.engine import AsyncEngine
@@ -153,6 +162,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
     from streamkv.server.app import create_app
     from streamkv.server.protocol import WS_MAX_SIZE
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     metrics = EngineMetrics()
     engine = AsyncEngine(engine_config, metrics=metrics)
     app = create_app(engine, server_config, metrics)
@@ -181,7 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:
             args.subparser.error(_name_the_flag(str(e), args))  # exits 2
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        serve(engine_config, server_config, args.log_level)
+        if args.threads is not None and args.threads < 1:
+            args.subparser.error("argument --threads: must be at least 1")
+        serve(engine_config, server_config, args.log_level, args.threads)
         return 0
     from streamkv.server.chat_client import ChatOptions, run_chat
 

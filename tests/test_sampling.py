@@ -1,0 +1,37 @@
+"""Sampling: greedy, top-k, top-p and per-sequence generators."""
+
+from __future__ import annotations
+
+import torch
+
+from streamkv.sampling import sample_batch, sample_token
+from streamkv.sampling_params import SamplingParams
+
+
+def test_greedy_takes_argmax():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert sample_token(logits, SamplingParams(temperature=0), None) == 1
+
+
+def test_top_k_one_is_greedy_whatever_the_temperature():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    picks = {sample_token(logits, SamplingParams(temperature=5.0, top_k=1), g) for _ in range(20)}
+    assert picks == {int(torch.argmax(logits))}
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    g = torch.Generator().manual_seed(2)
+    picks = {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.7), g) for _ in range(200)}
+    assert picks == {0, 1}
+
+
+def test_same_seed_same_tokens_regardless_of_batch():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    p = SamplingParams(temperature=0.9, seed=4)
+    alone = [sample_token(logits[1], p, torch.Generator().manual_seed(4)) for _ in range(1)]
+    gens = [torch.Generator().manual_seed(s) for s in (9, 4, 7)]
+    batched = sample_batch(logits, [SamplingParams(temperature=1.0), p, SamplingParams(temperature=0)], gens)
+    assert batched[1] == alone[0]
+    assert batched[2] == int(torch.argmax(logits[2]))
