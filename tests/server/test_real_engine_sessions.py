@@ -1,0 +1,136 @@
+"""Multi-turn sessions over the WebSocket against the real engine (tiny model)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import RunningServer, chat_frame, chat_turn, connect_chat, make_server, recv_until, send_json
+
+from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from streamkv.metrics import EngineMetrics
+from streamkv.model.loader import LoadedModel
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+GREEDY = {"max_tokens": 9, "temperature": 0}
+
+
+def serve(tiny: LoadedModel, tiny_model_dir: str, **cache_and_sched: int) -> RunningServer:
+    from streamkv.engine import AsyncEngine
+
+    sched = {k: v for k, v in cache_and_sched.items() if k in SchedulerConfig.__dataclass_fields__}
+    cache = {k: v for k, v in cache_and_sched.items() if k in CacheConfig.__dataclass_fields__}
+    config = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir, device="cpu"),
+        cache=CacheConfig(**cache),
+        scheduler=SchedulerConfig(**sched),
+    )
+    metrics = EngineMetrics()
+    return make_server(AsyncEngine(config, metrics, loaded=tiny), metrics=metrics)
+
+
+@pytest.fixture
+def server(tiny: LoadedModel, tiny_model_dir: str) -> Iterator[RunningServer]:
+    with serve(tiny, tiny_model_dir, num_blocks=256, max_model_len=1024) as srv:
+        yield srv
+
+
+def test_six_turns_compute_only_their_new_tokens(server: RunningServer) -> None:
+    core = server.engine.core
+    with connect_chat(server) as ws:
+        prev = None
+        sid = None
+        for turn in range(6):
+            before = core.scheduler.counters.computed_prompt_tokens
+            t = chat_turn(ws, f"Turn {turn}: tell me something new.", params=GREEDY, timeout=60)
+            assert t.done is not None, t.frames
+            usage = t.done["usage"]
+            sid = sid or t.session_id
+            computed = core.scheduler.counters.computed_prompt_tokens - before
+            assert computed == usage["prompt_tokens"] - usage["cached_tokens"]
+            if prev is not None:
+                # the whole history is reused from the pin; what is computed is this turn's
+                # template text plus the previous answer's last token (sampled, never fed)
+                assert usage["cached_tokens"] == prev["prompt_tokens"] + prev["completion_tokens"] - 1
+                new_ids = usage["prompt_tokens"] - prev["prompt_tokens"] - prev["completion_tokens"]
+                assert computed == new_ids + 1
+                # the same block table continues, the partial last block included (no copy)
+                table = [b.block_id for b in core.kv.sessions[sid].blocks]
+                assert table[: len(pinned_before)] == [b.block_id for b in pinned_before]
+            pinned_before = list(core.kv.sessions[sid].blocks)
+            prev = usage
+    core.check_invariants()
+
+
+def test_a_conversation_crossing_max_model_len_gets_the_error_on_that_turn(
+    tiny: LoadedModel, tiny_model_dir: str
+) -> None:
+    with serve(tiny, tiny_model_dir, num_blocks=64, max_model_len=160) as srv, connect_chat(srv) as ws:
+        codes = []
+        for turn in range(30):
+            t = chat_turn(ws, "Please continue the story with more words.", params=GREEDY, timeout=60)
+            if t.error is not None:
+                codes.append(t.error["code"])
+                break
+        assert codes == ["prompt_too_long"], "the conversation should have crossed 160 tokens"
+        assert turn >= 2  # earlier turns fit
+        # the same socket's history is unchanged and a new conversation still works
+        send_json(ws, {"type": "reset"})
+        recv_until(ws, {"reset"}, timeout=10)
+        t = chat_turn(ws, "Hello again.", params=GREEDY, timeout=60)
+        assert t.done is not None and t.done["finish_reason"] == "length"
+
+
+def test_ten_conversations_in_a_pool_for_three(tiny: LoadedModel, tiny_model_dir: str) -> None:
+    # each conversation reaches ~130 tokens = 9 blocks; the pool holds 30 blocks
+    with serve(tiny, tiny_model_dir, num_blocks=30, max_model_len=512, max_pinned_fraction=1.0) as srv:
+        sockets = [connect_chat(srv) for _ in range(10)]
+        try:
+            for turn in range(3):
+                for ws in sockets:  # interleaved: all ten in flight at once
+                    send_json(ws, chat_frame(f"Conversation turn {turn}, say more.", params=GREEDY))
+                for ws in sockets:
+                    frames = recv_until(ws, {"done", "error"}, timeout=120)
+                    assert frames[-1]["type"] == "done", frames[-1]
+                    assert frames[-1]["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+        finally:
+            for ws in sockets:
+                ws.close()
+        core = srv.engine.core
+        snap = srv.engine.snapshot()
+        assert snap["counters"]["evictions"] > 0 or len(core.kv.sessions) < 10  # pins gave way
+        # every socket closed (not resumable): every pin released, nothing leaked
+        for _ in range(100):
+            if not core.kv.sessions and not core.requests:
+                break
+            import time
+
+            time.sleep(0.05)
+        core.check_invariants()
+        counts = core.kv.pool.state_counts()
+        assert counts["used"] == counts["pinned"] == counts["shared"] == 0, counts
+
+
+def test_metrics_count_a_real_workload(server: RunningServer) -> None:
+    with connect_chat(server) as ws:
+        done = chat_turn(ws, "Hello!", params=GREEDY, timeout=60)
+        assert done.done is not None
+        send_json(ws, {"type": "chat", "content": "x", "params": {"max_tokens": 0}})
+        assert recv_until(ws, {"error"})[-1]["code"] == "invalid_params"
+        send_json(ws, chat_frame("A long one.", params={"max_tokens": 400, "temperature": 0}))
+        recv_until(ws, {"delta"}, timeout=60)
+        send_json(ws, {"type": "cancel"})
+        assert recv_until(ws, {"done"}, timeout=60)[-1]["finish_reason"] == "cancelled"
+    body = server.get("/metrics").text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(body)
+        for s in fam.samples
+    }
+    assert samples[("streamkv_errors_total", (("code", "invalid_params"),))] == 1
+    assert samples[("streamkv_request_success_total", (("finished_reason", "length"),))] == 1
+    assert samples[("streamkv_request_success_total", (("finished_reason", "cancelled"),))] == 1
+    assert samples[("streamkv_generation_tokens_total", ())] >= GREEDY["max_tokens"] + 1
+    assert samples[("streamkv_time_to_first_token_seconds_count", ())] == 2
+    assert 0.0 <= samples[("streamkv_kv_cache_usage_perc", ())] <= 1.0
