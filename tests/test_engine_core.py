@@ -225,3 +225,54 @@ def test_decode_steps_stay_within_budget(tiny):
             if s.samples:
                 core._append_token(s.seq, 0, 0.0)
         core.check_invariants()
+
+
+def test_different_sampling_on_one_prompt_shares_blocks_keeps_outputs(tiny):
+    llm = make_llm(tiny)
+    (prompt,) = prompts_of([48], seed=12)
+    greedy_alone = llm.generate([prompt], greedy(10))[0].outputs[0].token_ids
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True)
+    seeded_alone = make_llm(tiny).generate([prompt], seeded)[0].outputs[0].token_ids
+    both = llm.generate([prompt, prompt], [greedy(10), seeded])
+    assert both[0].usage.cached_tokens == 32 and both[1].usage.cached_tokens == 32  # shared prompt blocks
+    assert both[0].outputs[0].token_ids == greedy_alone
+    assert both[1].outputs[0].token_ids == seeded_alone
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("budget", [16, 17, 33])
+def test_no_token_streams_before_the_last_chunk(tiny, budget):
+    llm = make_llm(tiny, max_num_batched_tokens=budget)
+    core = llm.core
+    long_prompt, a, b = prompts_of([90, 6, 9], seed=13)
+    events = []
+    for rid, p in (("a", a), ("b", b)):
+        core.add_request(rid, p, greedy(40), lambda out: None)
+    core.step()
+    req = core.add_request("long", long_prompt, greedy(5), events.append)
+    while core.has_work():
+        n_events = len(events)
+        core.step()
+        if len(events) > n_events and events[n_events].deltas and events[n_events].deltas[0].token_ids:
+            assert req.seqs[0].num_computed_tokens >= len(long_prompt), "streamed before the prompt was computed"
+    ref = make_llm(tiny).generate([long_prompt], greedy(5))[0].outputs[0].token_ids
+    assert [t for e in events for d in e.deltas for t in d.token_ids] == ref
+
+
+def test_snapshot_agrees_with_the_pool(tiny):
+    import base64
+
+    llm = make_llm(tiny, num_blocks=40)
+    core = llm.core
+    for i, p in enumerate(prompts_of([30, 50, 20], seed=14)):
+        core.add_request(str(i), p, SamplingParams(n=2, temperature=0.5, seed=i, max_tokens=8), lambda o: None)
+    llm.generate(prompts_of([20], seed=15), greedy(4), session_ids=["pinned"])
+    for _ in range(4):
+        core.step()
+        snap = core.snapshot()
+        states = base64.b64decode(snap["states"])
+        assert len(states) == snap["num_blocks"] == sum(snap["counts"].values())
+        assert snap["counts"] == core.kv.pool.state_counts()
+        assert states == bytes(core.kv.pool.states)
+        assert snap["sessions"]["pinned_blocks"] == core.kv.num_pinned_blocks
+        assert 0.0 <= snap["kv_usage"] <= 1.0
