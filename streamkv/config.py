@@ -20,14 +20,16 @@ class ModelConfig:
         dtype: compute dtype of weights and KV cache: float32, bfloat16, float16.
         device: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
         attention_backend: ``auto`` (triton on CUDA, torch elsewhere), ``torch``, ``triton``.
-        seed: seed of the engine's own generator (unseeded requests draw from it).
+        seed: seed of the engine's own generator, from which unseeded requests
+            draw theirs; ``None`` seeds it from OS entropy (a restarted server
+            does not repeat its answers).
     """
 
     model: str | None = None
     dtype: str = "float32"
     device: str = "auto"
     attention_backend: str = "auto"
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

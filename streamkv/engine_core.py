@@ -96,7 +96,11 @@ class EngineCore:
         self.num_steps = 0
         self._seq_ids = itertools.count()
         self._order = itertools.count()
-        self._rng = torch.Generator().manual_seed(config.model.seed)
+        self._rng = torch.Generator()
+        if config.model.seed is None:
+            self._rng.seed()
+        else:
+            self._rng.manual_seed(config.model.seed)
         self._gen_history: deque[tuple[float, int]] = deque(maxlen=64)
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d B/token), host swap %d blocks; "

@@ -27,6 +27,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature
+    if not torch.isfinite(logits.max()):  # a tiny temperature overflowed: the limit is greedy
+        return int(torch.argmax(logits))
     if params.top_k != -1 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -35,6 +37,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         probs = torch.softmax(sorted_logits, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = torch.cumsum(probs, dim=-1) - probs >= params.top_p
+        drop[0] = False  # even a top_p that rounds to 0 in float32 keeps the likeliest token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1).cpu()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+_SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -12,7 +14,7 @@ class SamplingParams:
     Attributes:
         n: independent samples of the same prompt (share the prompt's blocks).
         max_tokens: most new tokens per sample; ``None`` = up to max_model_len.
-        temperature: 0 means greedy.
+        temperature: 0 (or anything below 1e-5) means greedy.
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; -1 keeps all.
         seed: per-request RNG seed; the same seed gives the same tokens
@@ -56,4 +58,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 sample greedily (vLLM's ``_SAMPLING_EPS``): dividing by them overflows."""
+        return self.temperature < _SAMPLING_EPS

@@ -35,3 +35,19 @@ def test_same_seed_same_tokens_regardless_of_batch():
     batched = sample_batch(logits, [SamplingParams(temperature=1.0), p, SamplingParams(temperature=0)], gens)
     assert batched[1] == alone[0]
     assert batched[2] == int(torch.argmax(logits[2]))
+
+
+def test_extreme_temperature_and_top_p_never_break_sampling():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(5)) * 30
+    g = torch.Generator().manual_seed(6)
+    argmax = int(torch.argmax(logits))
+    for p in (
+        SamplingParams(temperature=1e-300),
+        SamplingParams(temperature=1e-38),
+        SamplingParams(temperature=1e-6),
+        SamplingParams(temperature=1.0, top_p=1e-300),
+        SamplingParams(temperature=1.0, top_p=1e-46),
+    ):
+        assert sample_token(logits, p, g) == argmax
+    # a huge temperature is close to uniform but still a valid draw
+    assert 0 <= sample_token(logits, SamplingParams(temperature=1e30), g) < 1000

@@ -118,10 +118,9 @@ class KVCacheManager:
         return hits
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admitted lookup: ``num_tokens`` queried, ``num_hit_tokens`` found."""
-        if self.enable_prefix_caching:
-            self.pool.counters.prefix_cache_queries += num_tokens
-            self.pool.counters.prefix_cache_hits += num_hit_tokens
+        """Count one admitted lookup: ``num_tokens`` queried, ``num_hit_tokens`` found (cache or pin)."""
+        self.pool.counters.prefix_cache_queries += num_tokens
+        self.pool.counters.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(self, seq: CacheSeq, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
         """Give ``seq`` slots for ``num_new_tokens`` tokens after its computed ones.

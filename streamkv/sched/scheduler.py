@@ -159,10 +159,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(chosen) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hits = []
+            pinned = 0
             fresh = not self.kv.has_blocks(seq.seq_id)
             if fresh and seq.request.session_id is not None and seq.index == 0:
                 seq.num_computed_tokens = self.kv.adopt_session(seq.request.session_id, seq)
                 fresh = seq.num_computed_tokens == 0
+                pinned = seq.num_computed_tokens
             if fresh:
                 hits = self.kv.get_computed_blocks(seq)
             num_hit_tokens = len(hits) * self.kv.block_size
@@ -173,8 +175,10 @@ class Scheduler:
             self.waiting.popleft()
             if seq.index == 0 and seq.num_preemptions == 0:
                 seq.request.num_cached_tokens = seq.num_computed_tokens + num_hit_tokens
-            if fresh:
-                self.kv.record_prefix_query(seq.num_tokens, num_hit_tokens)
+            if fresh or pinned:
+                # tokens reused from a session pin count as cache hits too: what users
+                # (and the hit-rate panel) care about is prompt tokens not recomputed
+                self.kv.record_prefix_query(seq.num_tokens, num_hit_tokens + pinned)
             seq.num_computed_tokens += num_hit_tokens
             self.add_running(seq)
             chosen[seq.seq_id] = n

@@ -84,8 +84,13 @@ def create_app(
         return FileResponse(page, media_type="text/html")
 
     async def healthz(request: Request) -> Response:
-        body = {"status": "ok", "model": model_name(engine), "max_model_len": engine.max_model_len}
-        return Response(orjson.dumps(body), media_type="application/json")
+        failed = getattr(engine, "error", None) is not None  # the engine thread died: not healthy
+        body = {
+            "status": "error" if failed else "ok",
+            "model": model_name(engine),
+            "max_model_len": engine.max_model_len,
+        }
+        return Response(orjson.dumps(body), status_code=503 if failed else 200, media_type="application/json")
 
     async def metrics_route(request: Request) -> Response:
         body, content_type = await asyncio.to_thread(metrics.render)

@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     serve.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     serve.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
-    serve.add_argument("--seed", type=int, default=0, help="seed of the engine's generator")
+    serve.add_argument(
+        "--seed", type=int, default=None, help="seed of the engine's generator for unseeded requests (default: random)"
+    )
     serve.add_argument(
         "--stats-interval",
         type=float,

@@ -199,8 +199,10 @@ def test_prefix_caching_disabled() -> None:
     admit(kv, a)
     assert kv.pool.cached == {}
     assert kv.get_computed_blocks(Seq(2, tokens(40))) == []
-    kv.record_prefix_query(40, 0)
-    assert kv.pool.counters.prefix_cache_queries == 0
+    before = kv.pool.counters.prefix_cache_queries
+    kv.record_prefix_query(40, 0)  # still counted: session pins reuse tokens without the prefix cache
+    assert kv.pool.counters.prefix_cache_queries - before == 40
+    assert kv.pool.counters.prefix_cache_hits == 0
     free_all(kv, a)
     assert kv.pool.state_counts()["cached"] == 0
 
