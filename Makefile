@@ -1,6 +1,8 @@
 # Two commands do all set-up on a fresh machine: `make serve` and `make test`.
-# TORCH_SPEC picks the torch build: the CPU wheel by default; on a CUDA machine
-#   make serve TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"
+# TORCH_SPEC picks the torch build (pip arguments). The default pin resolves to
+# a CPU wheel on the project's machines; elsewhere see the README, e.g.
+#   make test  TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+#   make serve TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
