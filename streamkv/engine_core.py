@@ -88,7 +88,7 @@ class EngineCore:
             max_pinned_blocks=int(cc.max_pinned_fraction * self.num_blocks),
             num_host_blocks=num_host_blocks,
         )
-        self.scheduler = Scheduler(sc, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(sc, self.kv)
         self.backend = make_backend(config.model.attention_backend, self.device)
         self.runner = ModelRunner(self.loaded, self.backend, self.num_blocks, cc.block_size, num_host_blocks, self.device)
         self.requests: dict[str, Request] = {}
@@ -253,8 +253,11 @@ class EngineCore:
                     rows.append((child, row))
             rows.append((seq, row))
         if rows:
+            row_ids = [r for _, r in rows]
+            if row_ids != list(range(logits.shape[0])):  # forks sample the same row several times
+                logits = logits[torch.tensor(row_ids, device=logits.device)]
             tokens = sample_batch(
-                logits[torch.tensor([r for _, r in rows], device=logits.device)],
+                logits,
                 [seq.request.params for seq, _ in rows],
                 [seq.generator for seq, _ in rows],
             )

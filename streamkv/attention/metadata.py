@@ -19,7 +19,7 @@ slot is ``block_id * block_size + offset`` (vLLM's slot mapping).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,9 @@ class AttentionMetadata:
         query_start_loc_cpu: host copy of ``query_start_loc`` (python ints).
         seq_lens_cpu: host copy of ``seq_lens`` (python ints).
         block_size: tokens per KV block.
+        step_cache: per-step scratch for backends: index and mask tensors that
+            depend only on this metadata are built by the first layer and
+            reused by the others (every layer sees the same batch).
     """
 
     query_start_loc: torch.Tensor
@@ -50,6 +53,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    step_cache: dict[str, object] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

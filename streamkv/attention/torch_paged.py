@@ -65,8 +65,9 @@ class TorchPagedAttention(AttentionBackend):
 
         if meta.is_pure_decode:
             return _decode(
-                query, flat_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, meta.block_size, scale
-            )
+                query, flat_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, meta.block_size, scale,
+                meta.step_cache, "decode",
+            )  # fmt: skip
 
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         starts = meta.query_start_loc_cpu
@@ -99,6 +100,8 @@ def _decode(
     max_seq_len: int,
     block_size: int,
     scale: float,
+    step_cache: dict[str, object] | None = None,
+    cache_key: str = "",
 ) -> torch.Tensor:
     """One query token per sequence, every sequence in one gather and two batched matmuls.
 
@@ -113,6 +116,8 @@ def _decode(
         block_tables: int ``[B, max_blocks]``.
         seq_lens: int ``[B]``, each in ``1..max_seq_len``.
         max_seq_len: the largest entry of ``seq_lens`` (a host int: no sync).
+        step_cache, cache_key: where the gather rows and the mask bias, the
+            same for every layer of a step, are kept after the first layer.
 
     Returns:
         ``[B, Hq, D]`` contiguous.
@@ -120,7 +125,32 @@ def _decode(
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = flat_cache.shape[2]
     group = num_heads // num_kv_heads
-    device = query.device
+    cached = step_cache.get(cache_key) if step_cache is not None else None
+    if cached is None:
+        rows, bias = _decode_indices(block_tables, seq_lens, max_seq_len, block_size, num_kv_heads, query.dtype)
+        if step_cache is not None:
+            step_cache[cache_key] = (rows, bias)
+    else:
+        rows, bias = cached  # type: ignore[misc]
+    kv = flat_cache.view(2, -1, head_dim).index_select(1, rows)
+    kv = kv.view(2, num_seqs * num_kv_heads, max_seq_len, head_dim).to(query.dtype)
+    q = query.reshape(num_seqs * num_kv_heads, group, head_dim)  # a query group shares its KV head
+    scores = torch.baddbmm(bias, q, kv[0].transpose(1, 2), alpha=scale)  # [B * Hkv, G, max_ctx]
+    probs = scores.softmax(-1, dtype=torch.float32).to(query.dtype)
+    return torch.bmm(probs, kv[1]).view(num_seqs, num_heads, head_dim)
+
+
+def _decode_indices(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    block_size: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather rows ``[B * Hkv * max_ctx]`` and additive mask ``[B * Hkv, 1, max_ctx]`` for :func:`_decode`."""
+    num_seqs = block_tables.shape[0]
+    device = block_tables.device
     ctx = torch.arange(max_seq_len, device=device)
     valid = ctx < seq_lens[:, None]  # [B, max_ctx]
     # Positions past a sequence's end read its position 0 (written, finite) and are masked:
@@ -129,14 +159,9 @@ def _decode(
     slots = _slots(block_tables, pos, block_size)  # [B, max_ctx]
     # Row (slot * Hkv + h) of the [num_slots * Hkv, D] view holds head h of a slot.
     rows = slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=device)[:, None]
-    kv = flat_cache.view(2, -1, head_dim).index_select(1, rows.view(-1))
-    kv = kv.view(2, num_seqs * num_kv_heads, max_seq_len, head_dim).to(query.dtype)
-    q = query.reshape(num_seqs * num_kv_heads, group, head_dim)  # a query group shares its KV head
-    bias = torch.where(valid, 0.0, float("-inf")).to(query.dtype)  # [B, max_ctx]
+    bias = torch.where(valid, 0.0, float("-inf")).to(dtype)  # [B, max_ctx]
     bias = bias[:, None, None, :].expand(num_seqs, num_kv_heads, 1, max_seq_len).reshape(-1, 1, max_seq_len)
-    scores = torch.baddbmm(bias, q, kv[0].transpose(1, 2), alpha=scale)  # [B * Hkv, G, max_ctx]
-    probs = scores.softmax(-1, dtype=torch.float32).to(query.dtype)
-    return torch.bmm(probs, kv[1]).view(num_seqs, num_heads, head_dim)
+    return rows.view(-1), bias
 
 
 def _decode_subset(
@@ -161,8 +186,9 @@ def _decode_subset(
         # The scheduler puts decodes first: a contiguous run needs no index tensors.
         r, s = slice(rows[0], rows[-1] + 1), slice(seqs[0], seqs[-1] + 1)
         out[r] = _decode(
-            query[r], flat_cache, meta.block_tables[s], meta.seq_lens[s], max_seq_len, meta.block_size, scale
-        )
+            query[r], flat_cache, meta.block_tables[s], meta.seq_lens[s], max_seq_len, meta.block_size, scale,
+            meta.step_cache, "decode_subset",
+        )  # fmt: skip
         return
     row_idx = torch.tensor(rows, device=query.device)
     seq_idx = torch.tensor(seqs, device=query.device)
@@ -174,6 +200,8 @@ def _decode_subset(
         max_seq_len,
         meta.block_size,
         scale,
+        meta.step_cache,
+        "decode_subset",
     )
 
 

@@ -18,7 +18,6 @@ computes ``k`` new tokens this step (block size ``bs``)::
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -44,7 +43,6 @@ class SessionPin:
     session_id: str
     blocks: list[KVBlock]
     token_ids: list[int]  # tokens whose KV the blocks hold, in order
-    last_active: float
 
 
 def cdiv(a: int, b: int) -> int:
@@ -203,7 +201,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------- sessions
 
-    def pin_session(self, session_id: str, seq: CacheSeq, now: float | None = None) -> bool:
+    def pin_session(self, session_id: str, seq: CacheSeq) -> bool:
         """Move a finished turn's references to its session.
 
         Keeps the blocks holding the sequence's computed tokens (the partial
@@ -226,9 +224,8 @@ class KVCacheManager:
             pass
         self.pool.pin(keep)
         self.num_pinned_blocks += len(keep)
-        self.sessions[session_id] = SessionPin(
-            session_id, keep, list(seq.token_ids[: seq.num_computed_tokens]), time.monotonic() if now is None else now
-        )
+        # insertion order is activity order: the front of ``sessions`` is the LRU pin
+        self.sessions[session_id] = SessionPin(session_id, keep, list(seq.token_ids[: seq.num_computed_tokens]))
         return True
 
     def adopt_session(self, session_id: str, seq: CacheSeq) -> int:

@@ -44,10 +44,9 @@ class SchedulerCounters:
 class Scheduler:
     """Owns the waiting / running / swapped queues; never touches a tensor."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival
         self.swapped: list[Sequence] = []  # sorted by arrival
