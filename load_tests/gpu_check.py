@@ -118,7 +118,7 @@ def _free(device: str) -> None:
 
 
 def bench_store(cfg: BenchConfig, num_tokens: int) -> dict[str, Any]:
-    from kernels import store_kv
+    from streamkv.kernels import store_kv
 
     num_blocks = math.ceil(2 * num_tokens / cfg.block_size)
     kv_cache = torch.zeros((2, num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim),
@@ -140,8 +140,8 @@ def bench_store(cfg: BenchConfig, num_tokens: int) -> dict[str, Any]:
 
 
 def bench_decode(cfg: BenchConfig, batch: int, context: int) -> dict[str, Any]:
-    from kernels import paged_decode
-    from kernels.paged_decode import default_num_splits
+    from streamkv.kernels import paged_decode
+    from streamkv.kernels.paged_decode import default_num_splits
 
     kv_cache, block_tables, k, v = make_paged(cfg, batch, context, seed=batch * 7 + context)
     query = torch.randn((batch, cfg.num_heads, cfg.head_dim), dtype=cfg.torch_dtype, device=cfg.device)
@@ -169,7 +169,7 @@ def bench_decode(cfg: BenchConfig, batch: int, context: int) -> dict[str, Any]:
 
 
 def bench_extend(cfg: BenchConfig, context: int) -> dict[str, Any]:
-    from kernels import paged_prefill
+    from streamkv.kernels import paged_prefill
 
     batch, chunk = cfg.extend_batch, cfg.extend_chunk
     seq_len = context + chunk

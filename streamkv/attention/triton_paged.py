@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import paged_decode, paged_prefill, store_kv
+from streamkv.kernels import paged_decode, paged_prefill, store_kv
 from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
 

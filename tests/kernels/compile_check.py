@@ -22,9 +22,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.paged_decode import _decode_merge_kernel, _decode_split_kernel  # noqa: E402
-from kernels.paged_prefill import _prefill_kernel, _tile_sizes  # noqa: E402
-from kernels.store_kv import _store_kv_kernel  # noqa: E402
+from streamkv.kernels.paged_decode import _decode_merge_kernel, _decode_split_kernel  # noqa: E402
+from streamkv.kernels.paged_prefill import _prefill_kernel, _tile_sizes  # noqa: E402
+from streamkv.kernels.store_kv import _store_kv_kernel  # noqa: E402
 
 MAX_SHARED_BYTES = 227 * 1024
 TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -9,8 +9,8 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 from kernels_oracle import PagedCase, assert_close, dense_attention, make_case  # noqa: E402
 
-from kernels import paged_decode  # noqa: E402
-from kernels.paged_decode import default_num_splits  # noqa: E402
+from streamkv.kernels import paged_decode  # noqa: E402
+from streamkv.kernels.paged_decode import default_num_splits  # noqa: E402
 
 
 def _run(case: PagedCase, num_splits: int | None) -> torch.Tensor:

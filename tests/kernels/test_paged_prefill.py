@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 from kernels_oracle import PagedCase, assert_close, dense_attention, make_case  # noqa: E402
 
-from kernels import paged_prefill  # noqa: E402
+from streamkv.kernels import paged_prefill  # noqa: E402
 
 
 def _check(case: PagedCase) -> None:

@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from kernels import store_kv  # noqa: E402
+from streamkv.kernels import store_kv  # noqa: E402
 
 
 def _check_store(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
