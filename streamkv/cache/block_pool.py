@@ -10,38 +10,11 @@ allocation evicts it (least recently freed first).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from enum import IntEnum
+from dataclasses import dataclass
 
+from streamkv.cache.block import STATE_NAMES, BlockState, KVBlock
 from streamkv.cache.free_block_queue import FreeBlockQueue
 from streamkv.cache.hashing import BlockHash
-
-
-class BlockState(IntEnum):
-    """What the block map shows for a block (one byte per block)."""
-
-    FREE = 0
-    CACHED = 1  # free, holds a reusable full block, evictable
-    USED = 2  # one reference, from a running sequence
-    PINNED = 3  # one reference, from an idle session's pin
-    SHARED = 4  # more than one reference
-
-
-STATE_NAMES = tuple(s.name.lower() for s in BlockState)
-
-
-@dataclass(slots=True, eq=False)
-class KVBlock:
-    """One physical block of ``block_size`` token slots."""
-
-    block_id: int
-    ref_cnt: int = 0
-    pin_cnt: int = 0  # how many of ref_cnt are session pins
-    block_hash: BlockHash | None = None
-    token_ids: tuple[int, ...] | None = None  # contents, set with block_hash
-    prev_free: KVBlock | None = field(default=None, repr=False)
-    next_free: KVBlock | None = field(default=None, repr=False)
-    in_free_queue: bool = False
 
 
 @dataclass(slots=True)
@@ -163,7 +136,7 @@ class BlockPool:
         self._refresh(block)
 
     def evict_all_cached(self) -> int:
-        """Drop every cached hash (tests, ``reset_prefix_cache``); returns the count."""
+        """Drop the hash of every free cached block (they become plain free blocks); returns the count."""
         victims = [b for b in self.blocks if b.block_hash is not None and b.ref_cnt == 0]
         for block in victims:
             self._evict(block)

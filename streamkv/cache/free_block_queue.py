@@ -10,10 +10,8 @@ cache hit revives a free block) is O(1), which a deque cannot do (vLLM v1's
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from streamkv.cache.block_pool import KVBlock
+from streamkv.cache.block import KVBlock
 
 
 class FreeBlockQueue:

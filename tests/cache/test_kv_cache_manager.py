@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from streamkv.cache.block_pool import BlockState
+from streamkv.cache.block import BlockState
 from streamkv.cache.kv_cache_manager import KVCacheManager
 
 BS = 16
