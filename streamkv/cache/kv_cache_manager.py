@@ -18,13 +18,13 @@ computes ``k`` new tokens this step (block size ``bs``)::
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-from streamkv.cache.block_pool import BlockPool, KVBlock
+from streamkv.cache.block import KVBlock
+from streamkv.cache.block_pool import BlockPool
 from streamkv.cache.hashing import BlockHash, hash_block_tokens
+from streamkv.cache.session_pins import SessionPins
 from streamkv.cache.swap_space import SwapSpace
 
 
@@ -34,15 +34,6 @@ class CacheSeq(Protocol):
     seq_id: int
     token_ids: list[int]
     num_computed_tokens: int
-
-
-@dataclass(slots=True)
-class SessionPin:
-    """An idle session's hold on the blocks of its history."""
-
-    session_id: str
-    blocks: list[KVBlock]
-    token_ids: list[int]  # tokens whose KV the blocks hold, in order
 
 
 def cdiv(a: int, b: int) -> int:
@@ -74,16 +65,24 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_key = extra_key
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.max_pinned_blocks = num_blocks if max_pinned_blocks is None else max_pinned_blocks
         self.host = SwapSpace(min(num_host_blocks, num_blocks))
         self.seq_blocks: dict[int, list[KVBlock]] = {}
         self.swapped: dict[int, list[int]] = {}  # seq id -> host block ids
-        self.sessions: OrderedDict[str, SessionPin] = OrderedDict()  # LRU first
-        self.num_pinned_blocks = 0
+        self.sessions = SessionPins(self.pool, num_blocks if max_pinned_blocks is None else max_pinned_blocks)
         self.num_swapped_out_blocks = 0  # monotonic
         self._hashes: dict[int, list[BlockHash]] = {}
         self._num_committed: dict[int, int] = {}
         self._pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        """Most blocks idle sessions may pin together."""
+        return self.sessions.max_pinned_blocks
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks pinned by idle sessions now."""
+        return self.sessions.num_pinned_blocks
 
     # ----------------------------------------------------------- sequences
 
@@ -220,63 +219,44 @@ class KVCacheManager:
         if not keep or len(keep) > self.max_pinned_blocks:
             self._free_blocks(reversed(keep))
             return False
-        while self.num_pinned_blocks + len(keep) > self.max_pinned_blocks and self.unpin_lru():
+        while not self.sessions.fits(len(keep)) and self.unpin_lru():
             pass
-        self.pool.pin(keep)
-        self.num_pinned_blocks += len(keep)
-        # insertion order is activity order: the front of ``sessions`` is the LRU pin
-        self.sessions[session_id] = SessionPin(session_id, keep, list(seq.token_ids[: seq.num_computed_tokens]))
+        self.sessions.add(session_id, keep, list(seq.token_ids[: seq.num_computed_tokens]))
         return True
 
     def adopt_session(self, session_id: str, seq: CacheSeq) -> int:
         """Continue a session's pinned blocks in a new sequence of that session.
 
-        Reuses the longest common prefix of the pinned tokens and the new
-        prompt (a cancelled turn may have computed a token the client never
-        saw), capped so the prompt's last token is computed; blocks past it
-        are freed. A partly reused block that is a cached full block is not
-        reused (its other tokens must stay intact for prefix hits): the
-        prefix then ends at its start. Returns the number of tokens now
-        computed for ``seq`` (0: nothing reusable, the pin is released); the
-        caller sets ``num_computed_tokens`` to it.
+        Reuses what :meth:`SessionPin.num_reusable_tokens` finds; blocks past
+        it are freed. Returns the number of tokens now computed for ``seq``
+        (0: nothing reusable, the pin is released); the caller sets
+        ``num_computed_tokens`` to it.
         """
         pin = self.sessions.get(session_id)
         if pin is None:
             return 0
-        bs = self.block_size
-        limit = min(len(pin.token_ids), len(seq.token_ids) - 1)
-        if seq.token_ids[:limit] == pin.token_ids[:limit]:
-            n = limit
-        else:
-            n = next(i for i in range(limit) if seq.token_ids[i] != pin.token_ids[i])
-        if n % bs and pin.blocks[n // bs].block_hash is not None:
-            n -= n % bs
+        n = pin.num_reusable_tokens(seq.token_ids, self.block_size)
         if n == 0 or seq.seq_id in self.seq_blocks:
             self.release_session(session_id)
             return 0
-        del self.sessions[session_id]
-        self.pool.unpin(pin.blocks)
-        self.num_pinned_blocks -= len(pin.blocks)
-        keep = cdiv(n, bs)
+        self.sessions.remove(session_id)
+        keep = cdiv(n, self.block_size)
         self._free_blocks(reversed(pin.blocks[keep:]))
         self.seq_blocks[seq.seq_id] = pin.blocks[:keep]
         return n
 
     def release_session(self, session_id: str) -> bool:
         """Drop a session's pin; its full blocks stay in the prefix cache."""
-        pin = self.sessions.pop(session_id, None)
+        pin = self.sessions.remove(session_id)
         if pin is None:
             return False
-        self.pool.unpin(pin.blocks)
-        self.num_pinned_blocks -= len(pin.blocks)
         self._free_blocks(reversed(pin.blocks))
         return True
 
     def unpin_lru(self) -> bool:
         """Release the least recently active session's pin; ``False`` if none."""
-        if not self.sessions:
-            return False
-        return self.release_session(next(iter(self.sessions)))
+        session_id = self.sessions.least_recently_active()
+        return session_id is not None and self.release_session(session_id)
 
     # ----------------------------------------------------------------- swap
 
@@ -334,12 +314,9 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Pool consistency plus: ref counts equal the references held here."""
         self.pool.check_invariants(self.held_references())
-        pinned = sum(len(p.blocks) for p in self.sessions.values())
-        assert pinned == self.num_pinned_blocks, f"pinned count {self.num_pinned_blocks} != {pinned}"
+        self.sessions.check_invariants()
         for pin in self.sessions.values():
             assert len(pin.blocks) == cdiv(len(pin.token_ids), self.block_size)
-            for b in pin.blocks:
-                assert b.pin_cnt >= 1 and b.ref_cnt >= 1, f"pinned block {b.block_id} unreferenced"
         assert self.host.num_used_blocks == sum(len(h) for h in self.swapped.values())
 
     # ------------------------------------------------------------ internals
