@@ -5,27 +5,21 @@ from __future__ import annotations
 import random
 
 import pytest
+from block_state_oracle import expected_block_state
 
-from streamkv.cache.block_pool import STATE_NAMES, BlockPool, BlockState, KVBlock
+from streamkv.cache.block import STATE_NAMES, BlockState, KVBlock
+from streamkv.cache.block_pool import BlockPool
 from streamkv.cache.free_block_queue import FreeBlockQueue
 from streamkv.cache.hashing import hash_block_tokens
 
 BS = 4
 
 
-def expected_state(block: KVBlock) -> BlockState:
-    """The block-map state from first principles (ref count, pins, hash)."""
-    if block.ref_cnt == 0:
-        return BlockState.CACHED if block.block_hash is not None else BlockState.FREE
-    if block.ref_cnt > 1:
-        return BlockState.SHARED
-    return BlockState.PINNED if block.pin_cnt else BlockState.USED
-
-
 def check(pool: BlockPool) -> None:
     """Invariants plus: state bytes and state_counts() agree with the blocks."""
     pool.check_invariants()
-    want = [expected_state(b) for b in pool.blocks]
+    indexed = {b.block_id for b in pool.cached.values()}
+    want = [expected_block_state(b.ref_cnt, b.pin_cnt, b.block_id in indexed) for b in pool.blocks]
     assert list(pool.states) == [int(s) for s in want]
     counts = pool.state_counts()
     assert set(counts) == set(STATE_NAMES)

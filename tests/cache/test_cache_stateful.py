@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
+from block_state_oracle import expected_block_state
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from streamkv.cache.block_pool import BlockState, KVBlock
+from streamkv.cache.block import KVBlock
 from streamkv.cache.hashing import BlockHash, hash_block_tokens
 from streamkv.cache.kv_cache_manager import KVCacheManager, cdiv
 
@@ -42,14 +43,6 @@ class Seq:
     seq_id: int
     token_ids: list[int]
     num_computed_tokens: int = 0
-
-
-def expected_state(block: KVBlock) -> BlockState:
-    if block.ref_cnt == 0:
-        return BlockState.CACHED if block.block_hash is not None else BlockState.FREE
-    if block.ref_cnt > 1:
-        return BlockState.SHARED
-    return BlockState.PINNED if block.pin_cnt else BlockState.USED
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -523,10 +516,13 @@ class CacheMachine(RuleBasedStateMachine):
             self.check_slots(self.host_mem, host_ids, seq.token_ids, seq.num_computed_tokens)
             host_used += host_ids
         assert len(set(host_used)) == len(host_used) == kv.host.num_used_blocks
+        indexed = {b.block_id for b in pool.cached.values()}
         for b in pool.blocks:
             assert b.ref_cnt == holders[b.block_id], f"block {b.block_id}: ref_cnt {b.ref_cnt}"
             assert b.pin_cnt == pinners[b.block_id]
-            assert pool.states[b.block_id] == expected_state(b)
+            # the state from this machine's own holder counts, not from the block's fields
+            want = expected_block_state(holders[b.block_id], pinners[b.block_id], b.block_id in indexed)
+            assert pool.states[b.block_id] == want, f"block {b.block_id}: state {pool.states[b.block_id]}, want {want}"
         assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)
         assert kv.num_pinned_blocks == sum(pinners.values())
         counts = pool.state_counts()
