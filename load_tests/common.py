@@ -180,7 +180,7 @@ def load(model: str | None, threads: int) -> LoadedModel:
 
 def ensure_tiny_model(path: Path = TINY_MODEL_DIR) -> str:
     if not (path / "config.json").is_file():
-        from streamkv.model.tiny import make_tiny_model
+        from tests.tiny_model import make_tiny_model
 
         make_tiny_model(path)
     return str(path)

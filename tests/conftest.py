@@ -48,7 +48,7 @@ def smollm2(smollm2_checkpoint: HFCheckpoint) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2: LoadedModel) -> str:
     """A tiny random Llama checkpoint with the SmolLM2 tokenizer."""
-    from streamkv.model.tiny import make_tiny_model
+    from tests.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", tokenizer=smollm2.tokenizer)
 

@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf
-from streamkv.model.tiny import TINY_ARCHS, make_tiny_model
+from tests.tiny_model import TINY_ARCHS, make_tiny_model
 
 
 @pytest.fixture(scope="session")

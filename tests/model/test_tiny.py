@@ -8,7 +8,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from streamkv.model.tiny import make_tiny_model
+from tests.tiny_model import make_tiny_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

@@ -6,6 +6,10 @@ template), so tests load it through :func:`streamkv.model.loader.load_model`
 like any model. Shape: 2 layers, hidden 64, 4 heads over 2 KV heads of 16,
 intermediate 128, 2048 positions, SmolLM2's vocabulary.
 
+A test utility, outside the serving package: import it as
+``tests.tiny_model`` with the repository root on ``sys.path`` (pytest's
+``pythonpath``; ``load_tests``' ``--model tiny`` builds one the same way).
+
 transformers picks the tokenizer class from the model type, so the qwen2
 folder's tokenizer comes back as ``Qwen2Tokenizer`` (same vocabulary and chat
 template; its pre-tokenizer splits runs of whitespace a little differently).
