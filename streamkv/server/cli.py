@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.subparser.error("argument --threads: must be at least 1")
         serve(engine_config, server_config, args.log_level, args.threads)
         return 0
-    from streamkv.server.chat_client import ChatOptions, run_chat
+    from streamkv.chat_client import ChatOptions, run_chat
 
     options = ChatOptions(
         url=args.url,

@@ -18,9 +18,9 @@ from fake_engine import FakeChat, FakeEngine, token_at, token_text
 from server_harness import RunningServer, wait_for
 from starlette.applications import Starlette
 
+from streamkv.chat_client import ChatOptions, interactive, one_shot
 from streamkv.config import CacheConfig, SchedulerConfig
 from streamkv.server import cli
-from streamkv.server.chat_client import ChatOptions, interactive, one_shot
 from streamkv.server.cli import build_configs, build_parser, main, parse_bytes
 
 REPO = Path(__file__).resolve().parents[2]
