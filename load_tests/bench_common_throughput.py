@@ -1,7 +1,8 @@
 """Shared helpers of the throughput benchmarks (``bench_throughput``, ``bench_llamacpp``, ``bench_limit``).
 
-- :func:`machine_banner`: the machine, versions, load, date and the exact
-  command, printed first by every script (figures without it are useless);
+- :func:`machine_banner`: :func:`load_tests.common.print_header` plus the
+  library versions, printed first by every script (figures without it are
+  useless);
 - :func:`load_models`: one transformers load, our prepacked model built from it
   (and, on request, a dense copy and transformers' own model for the peer run);
 - workloads: prompts of random token ids from a fixed seed (or real text);
@@ -14,24 +15,17 @@
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import io
-import os
-import platform
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402
+from load_tests.common import print_header
 
 # Random prompt ids are drawn from [FIRST_PLAIN_TOKEN, vocab): SmolLM2's special
 # tokens (<|im_start|>, <|endoftext|>, ...) all sit below 100.
@@ -41,70 +35,23 @@ FIRST_PLAIN_TOKEN = 100
 # ----------------------------------------------------------------- machine
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine_info(threads: int) -> dict[str, Any]:
-    """What a reader needs to judge the figures (torch threads set before this call)."""
+def machine_banner(threads: int, title: str, module: str) -> dict[str, Any]:
+    """Set torch's thread count, print the machine and command; return the machine record (command included)."""
     import transformers
 
-    info: dict[str, Any] = {
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "threads_flag": threads,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "mkldnn": torch.backends.mkldnn.is_available(),
-        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
+    torch.set_num_threads(threads)
     try:
         import llama_cpp
 
-        info["llama_cpp_python"] = llama_cpp.__version__
+        llama_cpp_version = llama_cpp.__version__
     except Exception:  # noqa: BLE001 - absent or broken: just not reported
-        info["llama_cpp_python"] = None
-    return info
-
-
-def machine_banner(threads: int, title: str) -> dict[str, Any]:
-    """Set torch's thread count, print the machine and command; return the info dict."""
-    torch.set_num_threads(threads)
-    info = machine_info(threads)
-    print(f"=== {title} ===")
-    for k, v in info.items():
-        print(f"  {k:18s} {v}")
-    load = info["loadavg_1m"]
-    if load is not None and info["cores"] and load > 0.5 * info["cores"]:
-        print(
-            f"  WARNING: 1-minute load average {load:.1f} on {info['cores']} cores before the run: "
-            "other work competes for the CPU, figures are PROVISIONAL (inflated, noisy)."
-        )
+        llama_cpp_version = None
+    header = print_header(
+        title, module, threads_flag=threads, transformers=transformers.__version__,
+        mkldnn=torch.backends.mkldnn.is_available(), llama_cpp_python=llama_cpp_version,
+    )  # fmt: skip
     print(flush=True)
-    return info
-
-
-def load_warning(info_before: dict[str, Any]) -> str | None:
-    """A contention note when the load average during the run exceeds what this script adds."""
-    cores = info_before.get("cores") or 1
-    load = os.getloadavg()[0]
-    threads = info_before.get("torch_threads") or 1
-    if load > threads + 0.5:
-        return (
-            f"load average {load:.1f} at the end of the run on {cores} cores (this benchmark alone adds "
-            f"~{threads}): contended, figures PROVISIONAL"
-        )
-    return None
+    return {**header["machine"], "command": header["command"]}
 
 
 # ------------------------------------------------------------------- models

@@ -36,21 +36,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:  # run as a file: make `load_tests` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench_common_throughput import (  # noqa: E402
+from load_tests.bench_common_throughput import (  # noqa: E402
     Workload,
     goal_line,
     greedy_agreement,
     load_models,
-    load_warning,
     machine_banner,
     make_llm,
     make_prompts,
     run_engine,
 )
+from load_tests.common import load_warning  # noqa: E402
 
 GOAL_BATCHED = 3.0
 GOAL_SINGLE = 1.5
@@ -268,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     new = args.new_tokens or (16 if q else 128)
     flashes = {"off": [False], "on": [True], "both": [False, True]}[args.flash]
 
-    info = machine_banner(args.threads, "streamkv vs llama.cpp (llama-cpp-python), same GGUF")
+    info = machine_banner(
+        args.threads, "streamkv vs llama.cpp (llama-cpp-python), same GGUF", "load_tests.bench_llamacpp"
+    )
     try:
         import llama_cpp  # noqa: F401
     except ImportError as e:

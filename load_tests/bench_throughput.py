@@ -38,18 +38,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:  # run as a file: make `load_tests` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench_common_throughput import (  # noqa: E402
+from load_tests.bench_common_throughput import (  # noqa: E402
     EngineRun,
     Workload,
     blocks_needed,
     goal_line,
     greedy_agreement,
     load_models,
-    load_warning,
     machine_banner,
     make_llm,
     mixed_workload,
@@ -57,6 +57,7 @@ from bench_common_throughput import (  # noqa: E402
     summarize,
     uniform_workload,
 )
+from load_tests.common import load_warning  # noqa: E402
 
 GOAL_RATIO = 2.0
 
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hf_batch_size is None:
         args.hf_batch_size = 8 if args.quick else 32
 
-    info = machine_banner(args.threads, "streamkv vs transformers generate: throughput")
+    info = machine_banner(args.threads, "streamkv vs transformers generate: throughput", "load_tests.bench_throughput")
     models = load_models(want_hf=not args.skip_hf)
     print(f"model: {models.gguf_path} (fp32 after de-quantization), loaded in {models.load_s:.1f} s\n", flush=True)
     vocab = models.loaded.model.config.vocab_size

@@ -1,9 +1,10 @@
 """Shared bits of the load tests and benchmarks.
 
-Machine description (every script prints it with its exact command line),
-percentiles, markdown tables, goal lines, model loading (``--model tiny``
-builds the tiny random Llama once) and a ``streamkv serve`` subprocess on
-127.0.0.1 with bounded start and stop.
+Machine description (every script, the throughput family included, prints
+it with its exact command line through :func:`print_header`), percentiles,
+markdown tables, goal lines, model loading (``--model tiny`` builds the tiny
+random Llama once) and a ``streamkv serve`` subprocess on 127.0.0.1 with
+bounded start and stop.
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info() -> dict[str, Any]:
-    """Where and when a benchmark ran. ``contended`` flags a 1-min load above half the cores."""
+def machine_info(**extra: Any) -> dict[str, Any]:
+    """Where and when a benchmark ran. ``contended`` flags a 1-min load above half the cores.
+
+    ``extra`` (library versions, flags of the run) is appended as given.
+    """
     info: dict[str, Any] = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
@@ -71,6 +75,7 @@ def machine_info() -> dict[str, Any]:
         info["contended"] = load1 > 0.5 * (os.cpu_count() or 1)
     except OSError:
         pass
+    info.update(extra)
     return info
 
 
@@ -78,9 +83,12 @@ def command_line(module: str) -> str:
     return shlex.join(["python", "-m", module, *sys.argv[1:]])
 
 
-def print_header(title: str, module: str) -> dict[str, Any]:
-    """Print the benchmark title, the machine and the exact command; return both for the JSON."""
-    info = machine_info()
+def print_header(title: str, module: str, **extra: Any) -> dict[str, Any]:
+    """Print the benchmark title, the machine and the exact command; return both for the JSON.
+
+    ``extra`` goes into the machine record and is printed on its own line.
+    """
+    info = machine_info(**extra)
     print(f"# {title}")
     print(f"command: {command_line(module)}")
     torch_part = "torch not loaded"
@@ -90,9 +98,29 @@ def print_header(title: str, module: str) -> dict[str, Any]:
         f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable), {torch_part}, "
         f"python {info['python']}, {info['date']}, load avg {info.get('loadavg_1m', '?')}"
     )
+    if extra:
+        print("with: " + ", ".join(f"{k} {v}" for k, v in extra.items()))
     if info.get("contended"):
         print("WARNING: the machine is busy (load average above half the cores): timings are provisional")
     return {"title": title, "command": command_line(module), "machine": info}
+
+
+def load_warning(machine: dict[str, Any]) -> str | None:
+    """A contention note when the load average at the end exceeds what this run adds (its torch threads).
+
+    ``machine`` is :func:`machine_info`'s record from the start of the run.
+    """
+    try:
+        load1 = os.getloadavg()[0]
+    except OSError:
+        return None
+    threads = machine.get("torch_threads") or 1
+    if load1 > threads + 0.5:
+        return (
+            f"load average {load1:.1f} at the end of the run on {machine.get('cores')} cores (this benchmark alone "
+            f"adds ~{threads}): contended, figures PROVISIONAL"
+        )
+    return None
 
 
 # -------------------------------------------------------------- statistics
