@@ -14,7 +14,7 @@ freeing, stays with :class:`streamkv.cache.kv_cache_manager.KVCacheManager`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass
 
 from streamkv.cache.block import KVBlock
@@ -71,6 +71,17 @@ class SessionPins(Mapping[str, SessionPin]):
 
     def __len__(self) -> int:
         return len(self._pins)
+
+    # The dict's own views: list(pins.items()) then copies in one C call, as it
+    # did when this was a bare OrderedDict (the stats thread reads it that way).
+    def keys(self) -> KeysView[str]:
+        return self._pins.keys()
+
+    def items(self) -> ItemsView[str, SessionPin]:
+        return self._pins.items()
+
+    def values(self) -> ValuesView[SessionPin]:
+        return self._pins.values()
 
     def fits(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` more pinned blocks stay within ``max_pinned_blocks``."""
