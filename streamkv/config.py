@@ -5,9 +5,17 @@ Nothing below the CLI reads the environment; every knob lives here.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 MiB = 1 << 20
+
+
+class PreemptionMode(enum.StrEnum):
+    """What preempting a running sequence does to its KV blocks."""
+
+    RECOMPUTE = "recompute"  # free the blocks; the sequence is prefilled again later
+    SWAP = "swap"  # copy the blocks to the host tier; swapped back in later
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,17 +106,19 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
-    preemption_mode: str = "recompute"
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        except ValueError:
+            raise ValueError(f"preemption_mode must be recompute or swap, not {self.preemption_mode!r}") from None
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be recompute or swap, not {self.preemption_mode!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from streamkv.config import EngineConfig
 from streamkv.engine_core import EngineCore
-from streamkv.errors import EngineError
+from streamkv.errors import EngineError, ErrorCode
 from streamkv.metrics_hooks import MetricsHooks
 from streamkv.model.chat import ChatFormatter
 from streamkv.model.loader import LoadedModel
@@ -90,7 +90,7 @@ class AsyncEngine:
                 or ``engine_stopped`` when the engine thread is not running.
         """
         if self._thread is None or self._stopping.is_set() or self.error is not None:
-            raise EngineError("engine_stopped", "the engine is not running")
+            raise EngineError(ErrorCode.ENGINE_STOPPED, "the engine is not running")
         self.core.validate(prompt_token_ids, params)
         rid = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -150,7 +150,7 @@ class AsyncEngine:
             logger.exception("engine thread crashed")
             self.error = exc
             for req in list(core.requests.values()):
-                req.sink(EngineError("engine_error", f"engine failed: {exc!r}"))
+                req.sink(EngineError(ErrorCode.ENGINE_ERROR, f"engine failed: {exc!r}"))
             raise
         finally:
             for rid in list(core.requests):

@@ -19,7 +19,7 @@ from streamkv.attention.backend import AttentionBackend
 from streamkv.cache.kv_cache_manager import KVCacheManager, cdiv
 from streamkv.config import EngineConfig
 from streamkv.detokenizer import IncrementalDetokenizer
-from streamkv.errors import EngineError
+from streamkv.errors import EngineError, ErrorCode
 from streamkv.metrics_hooks import MetricsHooks
 from streamkv.model.loader import LoadedModel, load_model
 from streamkv.outputs import CompletionDelta, RequestOutput, Usage
@@ -157,24 +157,24 @@ class EngineCore:
         """
         n = len(prompt_token_ids)
         if n == 0:
-            raise EngineError("empty_prompt", "the prompt has no tokens")
+            raise EngineError(ErrorCode.EMPTY_PROMPT, "the prompt has no tokens")
         vocab = self.loaded.hf_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise EngineError("invalid_params", f"prompt token ids must be integers in [0, {vocab})")
+            raise EngineError(ErrorCode.INVALID_PARAMS, f"prompt token ids must be integers in [0, {vocab})")
         if n >= self.max_model_len:
             raise EngineError(
-                "prompt_too_long",
+                ErrorCode.PROMPT_TOO_LONG,
                 f"prompt of {n} tokens leaves no room to generate under max_model_len {self.max_model_len}",
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise EngineError(
-                "prompt_too_long",
+                ErrorCode.PROMPT_TOO_LONG,
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds max_model_len {self.max_model_len}",
             )
         if cdiv(n + max_tokens, self.block_size) > self.num_blocks:
             raise EngineError(
-                "exceeds_pool",
+                ErrorCode.EXCEEDS_POOL,
                 f"{n + max_tokens} tokens need more than the pool's {self.num_blocks} blocks of {self.block_size}",
             )
         return max_tokens
@@ -190,7 +190,7 @@ class EngineCore:
     ) -> Request:
         """Validate and queue a request (see :meth:`validate` for errors)."""
         if request_id in self.requests:
-            raise EngineError("invalid_params", f"request id {request_id!r} is already in flight")
+            raise EngineError(ErrorCode.INVALID_PARAMS, f"request id {request_id!r} is already in flight")
         max_tokens = self.validate(prompt_token_ids, params)
         req = Request(
             request_id=request_id,

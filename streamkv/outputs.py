@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sample ended (the ``finish_reason`` of deltas, done frames and metrics labels)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    CANCELLED = "cancelled"  # aborted by the client, a closed socket or shutdown
 
 
 @dataclass(slots=True)
@@ -26,7 +35,7 @@ class CompletionDelta:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(slots=True)
@@ -36,7 +45,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(slots=True)

@@ -163,7 +163,7 @@ class BlockPool:
         self._refresh(block)
 
     def evict_all_cached(self) -> int:
-        """Drop every cached hash (tests, ``reset_prefix_cache``); returns the count."""
+        """Drop every cached hash of a free block (tests); returns the count."""
         victims = [b for b in self.blocks if b.block_hash is not None and b.ref_cnt == 0]
         for block in victims:
             self._evict(block)

@@ -78,10 +78,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def arrival(self) -> tuple[float, int, int]:
         """Priority key: earlier arrival first; ties by request then sample index."""
         return (self.request.arrival_time, self.request.order, self.index)

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from streamkv.cache.kv_cache_manager import KVCacheManager
-from streamkv.config import SchedulerConfig
+from streamkv.config import PreemptionMode, SchedulerConfig
 from streamkv.sched.output import ScheduledSeq, SchedulerOutput
 from streamkv.sched.request import Sequence, SeqStatus
 
@@ -188,19 +188,19 @@ class Scheduler:
         self.running.remove(seq)
         seq.num_preemptions += 1
         out.num_preempted += 1
-        if self.config.preemption_mode == "swap" and seq.num_computed_tokens and self.kv.can_swap_out(seq.seq_id):
+        if self.config.preemption_mode is PreemptionMode.SWAP and seq.num_computed_tokens and self.kv.can_swap_out(seq.seq_id):
             out.swap_out.extend(self.kv.swap_out(seq))
             seq.set_status(SeqStatus.SWAPPED)
             bisect.insort(self.swapped, seq, key=lambda s: s.arrival)
             self.counters.preemptions_swap += 1
-            mode = "swap"
+            mode = PreemptionMode.SWAP
         else:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.set_status(SeqStatus.WAITING)
             self.waiting.appendleft(seq)
             self.counters.preemptions_recompute += 1
-            mode = "recompute"
+            mode = PreemptionMode.RECOMPUTE
         logger.debug(
             "preempted seq %d (request %s) by %s: pool dry, %d free blocks",
             seq.seq_id,

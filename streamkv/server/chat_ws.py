@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from starlette.websockets import WebSocket
 
-from streamkv.errors import EngineError
+from streamkv.errors import EngineError, ErrorCode
 from streamkv.metrics import EngineMetrics
 from streamkv.outputs import RequestOutput, Usage
 from streamkv.server import protocol
@@ -116,7 +116,7 @@ class ChatConnection:
 
     def _start_turn(self, frame: ChatFrame) -> None:
         if self._turn is not None and not self._turn.done():
-            raise EngineError("session_busy", "a turn is already in flight; send cancel or wait for its done frame")
+            raise EngineError(ErrorCode.SESSION_BUSY, "a turn is already in flight; send cancel or wait for its done frame")
         session = self._attach(frame)
         if frame.resumable is not None:
             session.resumable = frame.resumable
@@ -135,7 +135,7 @@ class ChatConnection:
         if self.session is not None:
             if frame.session_id is not None and frame.session_id != self.session.session_id:
                 raise EngineError(
-                    "invalid_params",
+                    ErrorCode.INVALID_PARAMS,
                     "session_id: this connection already holds another session; "
                     "open a new connection to resume a different one",
                 )
@@ -148,7 +148,7 @@ class ChatConnection:
             self._writer.send(protocol.session_frame(self.session.session_id, resumed=False))
         return self.session
 
-    def _send_error(self, code: str, message: str) -> None:
+    def _send_error(self, code: ErrorCode, message: str) -> None:
         self._metrics.count_error(code)
         self._writer.send(protocol.error_frame(code, message))
 
@@ -169,7 +169,7 @@ class ChatConnection:
                 return
             except Exception as e:
                 logger.exception("turn of session %s failed", session.session_id)
-                self._send_error("internal_error", f"internal error: {type(e).__name__}")
+                self._send_error(ErrorCode.INTERNAL_ERROR, f"internal error: {type(e).__name__}")
                 return
             cancelled = turn.final is None
             if prompt_ids is not None:

@@ -33,7 +33,7 @@ def test_chat_defaults() -> None:
     assert frame.session_id is None and frame.system is None and frame.resumable is None
     assert frame.params.max_tokens == DEFAULT_MAX_TOKENS
     assert frame.params.temperature == DEFAULT_TEMPERATURE
-    assert frame.params.n == 1 and frame.params.top_k == -1 and frame.params.stop == ()
+    assert frame.params.n == 1 and frame.params.top_k is None and frame.params.stop == ()
 
 
 def test_chat_all_fields() -> None:
