@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from streamkv.errors import EngineError
 
 
 class FinishReason(enum.StrEnum):
@@ -80,3 +83,8 @@ class CompletedRequest:
     usage: Usage | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
+
+
+RequestSink = Callable[[RequestOutput | EngineError], None]
+"""Where a request's outputs go, called on the engine thread: every :class:`RequestOutput`
+(the last has ``finished=True``), or one :class:`EngineError` when the engine fails it."""

@@ -221,9 +221,8 @@ def test_decode_steps_stay_within_budget(tiny):
         core.runner.execute(out)
         core.scheduler.update(out)
         # finish everything through the normal path to keep state consistent
-        for s in out.scheduled:
-            if s.samples:
-                core._append_token(s.seq, 0, 0.0)
+        sampled = [s.seq for s in out.scheduled if s.samples]
+        core.outputs.process(sampled, [0] * len(sampled), 0.0)
         core.check_invariants()
 
 
