@@ -61,7 +61,6 @@ class CacheConfig:
         num_blocks: exact pool size, overriding both (tests, benchmarks).
         enable_prefix_caching: reuse full blocks across requests by hash chain.
         max_pinned_fraction: most of the pool that idle sessions may pin.
-        session_ttl: seconds an idle session keeps its pin and history.
         swap_space: bytes of host memory for swapped-out blocks.
     """
 
@@ -71,7 +70,6 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5
-    session_ttl: float = 600.0
     swap_space: int = 256 * MiB
 
     def __post_init__(self) -> None:
@@ -85,8 +83,6 @@ class CacheConfig:
             raise ValueError("num_blocks must be at least 1")
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError("max_pinned_fraction must be in [0, 1]")
-        if self.session_ttl <= 0:
-            raise ValueError("session_ttl must be positive")
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0")
 
@@ -138,14 +134,18 @@ class ServerConfig:
         host: bind address (loopback by default).
         port: TCP port.
         stats_interval: seconds between ``/ws/stats`` snapshots.
+        session_ttl: seconds an idle (detached) session keeps its pin and history.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     stats_interval: float = 0.25
+    session_ttl: float = 600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, not {self.port}")
         if self.stats_interval <= 0:
             raise ValueError("stats_interval must be positive")
+        if self.session_ttl <= 0:
+            raise ValueError("session_ttl must be positive")
