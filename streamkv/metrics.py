@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from streamkv.config import PreemptionMode
 from streamkv.errors import ErrorCode
 from streamkv.outputs import FinishReason
 
@@ -133,7 +134,9 @@ class EngineMetrics:
         if _finite(itl_s):
             self.inter_token_latency.observe(max(itl_s, 0.0))
 
-    def observe_finished(self, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason: FinishReason) -> None:
+    def observe_finished(
+        self, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason: FinishReason
+    ) -> None:
         if _finite(e2e_s):
             self.e2e_request_latency.labels(finished_reason=finish_reason).observe(max(e2e_s, 0.0))
         self.request_prompt_tokens.observe(max(prompt_tokens, 0))
@@ -236,8 +239,8 @@ def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
         "streamkv_prefix_cache_hits", "Prompt tokens found in the prefix cache.", _num(counters, "prefix_cache_hits")
     )
     preemptions = CounterMetricFamily("streamkv_num_preemptions", "Preemptions by mode.", labels=["mode"])
-    preemptions.add_metric(["recompute"], _num(counters, "preemptions_recompute"))
-    preemptions.add_metric(["swap"], _num(counters, "preemptions_swap"))
+    for mode in PreemptionMode:
+        preemptions.add_metric([mode.value], _num(counters, f"preemptions_{mode.value}"))
     yield preemptions
     yield _counter("streamkv_kv_evictions", "Cached blocks evicted for reuse.", _num(counters, "evictions"))
     yield _counter("streamkv_cow_copies", "Copy-on-write block copies.", _num(counters, "cow_copies"))

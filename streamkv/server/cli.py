@@ -13,7 +13,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from streamkv.config import CacheConfig, EngineConfig, ModelConfig, PreemptionMode, SchedulerConfig, ServerConfig
 
 logger = logging.getLogger("streamkv")
 
@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
     serve.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
     serve.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
-    serve.add_argument("--preemption-mode", choices=("recompute", "swap"), default=sched.preemption_mode)
+    modes = [m.value for m in PreemptionMode]
+    serve.add_argument("--preemption-mode", choices=modes, default=sched.preemption_mode.value)
     serve.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     serve.add_argument("--max-pinned-fraction", type=float, default=cache.max_pinned_fraction)
     serve.add_argument("--session-ttl", type=float, default=server.session_ttl, help="seconds an idle session lives")

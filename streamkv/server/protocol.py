@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from streamkv.errors import EngineError, ErrorCode
-from streamkv.outputs import Usage
+from streamkv.outputs import FinishReason, Usage
 from streamkv.sampling_params import SamplingParams
 
 MAX_FRAME_BYTES = 1 << 20
@@ -155,7 +155,8 @@ def parse_params(raw: dict[str, Any]) -> SamplingParams:
             kwargs[key] = tuple(value)
         else:  # ignore_eos
             if not isinstance(value, bool):
-                raise FrameError(ErrorCode.INVALID_PARAMS, f"params.{key}: must be true or false, not {_json_type(value)}")
+                message = f"params.{key}: must be true or false, not {_json_type(value)}"
+                raise FrameError(ErrorCode.INVALID_PARAMS, message)
             kwargs[key] = value
     try:
         return SamplingParams(**kwargs)
@@ -205,7 +206,9 @@ def delta_frame(index: int, text: str, token_ids: list[int]) -> dict[str, Any]:
     return {"type": "delta", "index": index, "text": text, "token_ids": list(token_ids)}
 
 
-def done_frame(finish_reasons: list[str], usage: Usage, ttft_s: float | None, total_s: float) -> dict[str, Any]:
+def done_frame(
+    finish_reasons: list[FinishReason], usage: Usage, ttft_s: float | None, total_s: float
+) -> dict[str, Any]:
     """One ``done`` per turn; ``finish_reason`` is sample 0's, ``finish_reasons[i]`` sample i's."""
     return {
         "type": "done",
