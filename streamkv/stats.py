@@ -80,9 +80,11 @@ def snapshot_json(stats: EngineStats, session_id: str | None = None, include_blo
     if include_blocks:
         snap["states"] = base64.b64encode(kv.states).decode("ascii")
         sessions: dict[str, list[int]] = {}
-        for source in (kv.session_blocks, stats.turn_blocks):  # a turn in flight supersedes its pin
-            for sid, blocks in source.items():
-                if session_id is None or sid == session_id:
-                    sessions[sid] = list(blocks)
+        for pin in kv.pins:
+            if session_id is None or pin.session_id == session_id:
+                sessions[pin.session_id] = [b.block_id for b in pin.blocks]
+        for sid, blocks in stats.turn_blocks.items():  # a turn in flight supersedes its pin
+            if session_id is None or sid == session_id:
+                sessions[sid] = list(blocks)
         snap["session_blocks"] = sessions
     return snap

@@ -377,10 +377,6 @@ class KVCacheManager:
         """Device blocks that can be allocated now (free, cached ones included)."""
         return self.pool.num_free_blocks
 
-    def is_swapped(self, seq_id: int) -> bool:
-        """The sequence's KV lives in the host tier."""
-        return seq_id in self.swapped
-
     def can_swap_in(self, seq_id: int, num_extra_blocks: int = 0) -> bool:
         """Room on the device for a swapped sequence's blocks plus ``num_extra_blocks``.
 
@@ -392,7 +388,9 @@ class KVCacheManager:
     def stats(self) -> KVCacheStats:
         """A copy of the cache's state for the stats snapshot; call it on the owning thread.
 
-        Costs one bytes copy of the per-block states plus the pinned block ids.
+        Costs one bytes copy of the per-block states; pins are shared, not
+        copied: a :class:`SessionPin` is never changed after it is made (a new
+        pin replaces it), so other threads may read its block ids.
         """
         pc = self.pool.counters
         return KVCacheStats(
@@ -406,7 +404,7 @@ class KVCacheManager:
             evictions=pc.evictions,
             cow_copies=pc.cow_copies,
             num_swapped_out_blocks=self.num_swapped_out_blocks,
-            session_blocks={sid: tuple(b.block_id for b in pin.blocks) for sid, pin in self.sessions.items()},
+            pins=tuple(self.sessions.values()),
         )
 
 
@@ -425,7 +423,7 @@ class KVCacheStats:
         evictions: cached blocks evicted for reuse (monotonic).
         cow_copies: copy-on-write copies (monotonic).
         num_swapped_out_blocks: blocks copied to the host tier (monotonic).
-        session_blocks: session id -> block ids of its pin.
+        pins: the session pins, least recently active first (shared, never mutated).
     """
 
     num_blocks: int
@@ -438,4 +436,4 @@ class KVCacheStats:
     evictions: int
     cow_copies: int
     num_swapped_out_blocks: int
-    session_blocks: dict[str, tuple[int, ...]]
+    pins: tuple[SessionPin, ...]
