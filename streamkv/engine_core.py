@@ -23,10 +23,16 @@ from streamkv.metrics_hooks import MetricsHooks
 from streamkv.model.loader import LoadedModel, load_model
 from streamkv.output_processor import OutputProcessor
 from streamkv.outputs import RequestSink
-from streamkv.runner import ModelRunner, kv_bytes_per_block, make_backend, profile_kv_budget, resolve_device
+from streamkv.runner import (
+    ModelRunner,
+    kv_bytes_per_block,
+    make_backend,
+    profile_kv_budget,
+    resolve_device,
+)
 from streamkv.sampling import sample_batch
 from streamkv.sampling_params import SamplingParams
-from streamkv.sched.request import Request, Sequence, SeqStatus
+from streamkv.sched.request import Request, SeqStatus, Sequence
 from streamkv.sched.scheduler import Scheduler
 from streamkv.stats import EngineStats, snapshot_json
 
@@ -71,7 +77,9 @@ class EngineCore:
         )
         self.scheduler = Scheduler(sc, self.kv)
         self.backend = make_backend(config.model.attention_backend, self.device)
-        self.runner = ModelRunner(self.loaded, self.backend, self.num_blocks, cc.block_size, num_host_blocks, self.device)
+        self.runner = ModelRunner(
+            self.loaded, self.backend, self.num_blocks, cc.block_size, num_host_blocks, self.device
+        )
         self.outputs = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler.finish, metrics, config.model.seed
         )

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -21,8 +22,14 @@ from transformers import PreTrainedTokenizerBase
 from streamkv.detokenizer import IncrementalDetokenizer
 from streamkv.errors import EngineError
 from streamkv.metrics_hooks import MetricsHooks
-from streamkv.outputs import CompletionDelta, FinishReason, RequestOutput, RequestSink, Usage
-from streamkv.sched.request import Request, Sequence, SeqStatus
+from streamkv.outputs import (
+    CompletionDelta,
+    FinishReason,
+    RequestOutput,
+    RequestSink,
+    Usage,
+)
+from streamkv.sched.request import Request, SeqStatus, Sequence
 
 FinishFn = Callable[[Sequence, SeqStatus], None]
 

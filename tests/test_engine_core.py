@@ -275,3 +275,13 @@ def test_snapshot_agrees_with_the_pool(tiny):
         assert states == bytes(core.kv.pool.states)
         assert snap["sessions"]["pinned_blocks"] == core.kv.num_pinned_blocks
         assert 0.0 <= snap["kv_usage"] <= 1.0
+
+
+
+def test_scheduler_and_server_load_without_torch():
+    """sched/ never touches tensors and server/ talks to a protocol: neither imports torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, streamkv.sched.scheduler, streamkv.server.app\nassert 'torch' not in sys.modules\n"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from streamkv.cache.kv_cache_manager import KVCacheManager
 from streamkv.config import PreemptionMode, SchedulerConfig
 from streamkv.sched.output import ScheduledSeq, SchedulerOutput
-from streamkv.sched.request import Sequence, SeqStatus
+from streamkv.sched.request import SeqStatus, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,8 @@ class Scheduler:
         self.running.remove(seq)
         seq.num_preemptions += 1
         out.num_preempted += 1
-        if self.config.preemption_mode is PreemptionMode.SWAP and seq.num_computed_tokens and self.kv.can_swap_out(seq.seq_id):
+        swap = self.config.preemption_mode is PreemptionMode.SWAP
+        if swap and seq.num_computed_tokens and self.kv.can_swap_out(seq.seq_id):
             out.swap_out.extend(self.kv.swap_out(seq))
             seq.set_status(SeqStatus.SWAPPED)
             bisect.insort(self.swapped, seq, key=lambda s: s.arrival)
