@@ -170,5 +170,6 @@ def profile_kv_budget(
     del caches, hidden
     used_by_others = total - free - torch.cuda.memory_reserved(device)
     budget = int(total * utilization) - peak - used_by_others
-    logger.info("GPU profile: peak %.2f GiB of %.2f GiB; KV budget %.2f GiB", peak / 2**30, total / 2**30, budget / 2**30)
+    gib = 2**30
+    logger.info("GPU profile: peak %.2f GiB of %.2f GiB; KV budget %.2f GiB", peak / gib, total / gib, budget / gib)
     return max(budget, 0)
