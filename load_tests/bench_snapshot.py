@@ -1,4 +1,4 @@
-"""Cost of a stats snapshot: ``streamkv.stats.build_snapshot`` + ``orjson.dumps``.
+"""Cost of a stats snapshot: ``EngineCore.publish_stats`` + ``streamkv.stats.snapshot_json`` + ``orjson.dumps``.
 
 A real ``EngineCore`` (tiny model, so a 65,536-block pool fits in memory)
 gets a realistic mix of block states through its own ``KVCacheManager``:
@@ -77,13 +77,14 @@ def populate(core: Any, a: argparse.Namespace, rng: random.Random) -> dict[str, 
 
 
 def measure(core: Any, include_blocks: bool, iters: int) -> dict[str, Any]:
-    from streamkv.stats import build_snapshot
+    from streamkv.stats import snapshot_json
 
     build, dump, total = [], [], []
     size = 0
     for _ in range(iters):
         t0 = time.perf_counter()
-        snap = build_snapshot(core, None, include_blocks)
+        core.publish_stats()  # the engine thread's share, once per step
+        snap = snapshot_json(core.stats, None, include_blocks)
         t1 = time.perf_counter()
         data = orjson.dumps(snap)
         t2 = time.perf_counter()

@@ -5,9 +5,17 @@ Nothing below the CLI reads the environment; every knob lives here.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 MiB = 1 << 20
+
+
+class PreemptionMode(enum.StrEnum):
+    """What preempting a running sequence does to its KV blocks."""
+
+    RECOMPUTE = "recompute"  # free the blocks; the sequence is prefilled again later
+    SWAP = "swap"  # copy the blocks to the host tier; swapped back in later
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +61,6 @@ class CacheConfig:
         num_blocks: exact pool size, overriding both (tests, benchmarks).
         enable_prefix_caching: reuse full blocks across requests by hash chain.
         max_pinned_fraction: most of the pool that idle sessions may pin.
-        session_ttl: seconds an idle session keeps its pin and history.
         swap_space: bytes of host memory for swapped-out blocks.
     """
 
@@ -63,7 +70,6 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5
-    session_ttl: float = 600.0
     swap_space: int = 256 * MiB
 
     def __post_init__(self) -> None:
@@ -77,8 +83,6 @@ class CacheConfig:
             raise ValueError("num_blocks must be at least 1")
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError("max_pinned_fraction must be in [0, 1]")
-        if self.session_ttl <= 0:
-            raise ValueError("session_ttl must be positive")
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0")
 
@@ -98,17 +102,19 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
-    preemption_mode: str = "recompute"
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        except ValueError:
+            raise ValueError(f"preemption_mode must be recompute or swap, not {self.preemption_mode!r}") from None
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be recompute or swap, not {self.preemption_mode!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +134,18 @@ class ServerConfig:
         host: bind address (loopback by default).
         port: TCP port.
         stats_interval: seconds between ``/ws/stats`` snapshots.
+        session_ttl: seconds an idle (detached) session keeps its pin and history.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     stats_interval: float = 0.25
+    session_ttl: float = 600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, not {self.port}")
         if self.stats_interval <= 0:
             raise ValueError("stats_interval must be positive")
+        if self.session_ttl <= 0:
+            raise ValueError("session_ttl must be positive")

@@ -1,10 +1,11 @@
 """The async front of the engine: an engine thread plus per-request asyncio queues.
 
 The event loop never runs model compute. ``generate`` validates, enqueues
-an ``add`` command for the engine thread and awaits that request's queue;
-the engine thread hands each :class:`RequestOutput` back with
+an :class:`AddRequest` for the engine thread and awaits that request's
+queue; the engine thread hands each :class:`RequestOutput` back with
 ``loop.call_soon_threadsafe``. Closing the generator early enqueues an
-``abort``, which the engine applies before its next step.
+:class:`AbortRequest`, which the engine applies before its next step. The
+queue carries only :data:`EngineCommand` records.
 """
 
 from __future__ import annotations
@@ -15,20 +16,54 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from streamkv.config import EngineConfig
 from streamkv.engine_core import EngineCore
-from streamkv.errors import EngineError
+from streamkv.errors import EngineError, ErrorCode
 from streamkv.metrics_hooks import MetricsHooks
 from streamkv.model.chat import ChatFormatter
 from streamkv.model.loader import LoadedModel
-from streamkv.outputs import RequestOutput
+from streamkv.outputs import RequestOutput, RequestSink
 from streamkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Queue a validated request; its outputs (or an :class:`EngineError`) go to ``sink``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: RequestSink
+    session_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Cancel a request in flight (no-op when it already finished)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseSession:
+    """Drop a session's pinned blocks."""
+
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Carries nothing: ends the engine thread's idle wait (shutdown)."""
+
+
+EngineCommand = AddRequest | AbortRequest | ReleaseSession | Wake
 
 
 class AsyncEngine:
@@ -50,7 +85,7 @@ class AsyncEngine:
         self.max_model_len = self.core.max_model_len
         self.eos_token_ids = tuple(self.core.loaded.eos_token_ids)
         self.model_name = self.core.loaded.name
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
@@ -69,7 +104,7 @@ class AsyncEngine:
         if self._thread is None:
             return
         self._stopping.set()
-        self._commands.put(("wake", None))
+        self._commands.put(Wake())
         await asyncio.to_thread(self._thread.join, 10.0)
         self._thread = None
 
@@ -90,16 +125,16 @@ class AsyncEngine:
                 or ``engine_stopped`` when the engine thread is not running.
         """
         if self._thread is None or self._stopping.is_set() or self.error is not None:
-            raise EngineError("engine_stopped", "the engine is not running")
+            raise EngineError(ErrorCode.ENGINE_STOPPED, "the engine is not running")
         self.core.validate(prompt_token_ids, params)
         rid = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
-        def sink(out: object) -> None:
+        def sink(out: RequestOutput | EngineError) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        self._commands.put(("add", (rid, list(prompt_token_ids), params, sink, session_id)))
+        self._commands.put(AddRequest(rid, list(prompt_token_ids), params, sink, session_id))
         finished = False
         try:
             while not finished:
@@ -118,14 +153,14 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self._commands.put(("abort", rid))
+                self._commands.put(AbortRequest(rid))
 
     def release_session(self, session_id: str) -> None:
         """Drop a session's pinned blocks (applied before the next step)."""
-        self._commands.put(("release", session_id))
+        self._commands.put(ReleaseSession(session_id))
 
-    def snapshot(self, session_id: str | None = None, include_blocks: bool = True) -> dict:
-        """Stats snapshot (see :func:`streamkv.stats.build_snapshot`); safe from any thread."""
+    def snapshot(self, session_id: str | None = None, include_blocks: bool = True) -> dict[str, Any]:
+        """The last published stats as JSON (see :func:`streamkv.stats.snapshot_json`); safe from any thread."""
         return self.core.snapshot(session_id, include_blocks)
 
     # --------------------------------------------------------- engine thread
@@ -136,12 +171,12 @@ class AsyncEngine:
             while not self._stopping.is_set():
                 if not core.has_work():
                     try:
-                        self._handle(*self._commands.get(timeout=_IDLE_WAIT_S))
+                        self._handle(self._commands.get(timeout=_IDLE_WAIT_S))
                     except queue.Empty:
                         continue
                 while True:
                     try:
-                        self._handle(*self._commands.get_nowait())
+                        self._handle(self._commands.get_nowait())
                     except queue.Empty:
                         break
                 if core.has_work():
@@ -149,22 +184,23 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - report to every waiter, then die loudly
             logger.exception("engine thread crashed")
             self.error = exc
-            for req in list(core.requests.values()):
-                req.sink(EngineError("engine_error", f"engine failed: {exc!r}"))
+            core.outputs.fail_all(EngineError(ErrorCode.ENGINE_ERROR, f"engine failed: {exc!r}"))
             raise
         finally:
             for rid in list(core.requests):
                 core.abort(rid)
 
-    def _handle(self, kind: str, arg: Any) -> None:
+    def _handle(self, command: EngineCommand) -> None:
         core = self.core
-        if kind == "add":
-            rid, prompt, params, sink, session_id = arg
-            try:
-                core.add_request(rid, prompt, params, sink, session_id)
-            except EngineError as exc:
-                sink(exc)
-        elif kind == "abort":
-            core.abort(arg)
-        elif kind == "release":
-            core.release_session(arg)
+        match command:
+            case AddRequest(request_id, prompt, params, sink, session_id):
+                try:
+                    core.add_request(request_id, prompt, params, sink, session_id)
+                except EngineError as exc:
+                    sink(exc)
+            case AbortRequest(request_id):
+                core.abort(request_id)
+            case ReleaseSession(session_id):
+                core.release_session(session_id)
+            case Wake():
+                pass

@@ -1,18 +1,42 @@
-"""Errors that reach clients, each with a stable code."""
+"""Errors that reach clients, each with a stable code from :class:`ErrorCode`."""
 
 from __future__ import annotations
 
+import enum
 
-class EngineError(Exception):
-    """A request the engine refuses; ``code`` is stable, ``message`` is for people.
 
-    Codes: ``prompt_too_long`` (prompt + max_tokens over max_model_len),
-    ``exceeds_pool`` (could never fit the KV pool), ``empty_prompt``,
-    ``invalid_params``, ``engine_stopped``, ``session_busy`` (a session has a
-    turn in flight), ``unknown_session``.
+class ErrorCode(enum.StrEnum):
+    """Every ``code`` the server can send in an error frame (the README's error table lists the same set).
+
+    Members compare equal to their string values (``ErrorCode.SESSION_BUSY == "session_busy"``).
     """
 
-    def __init__(self, code: str, message: str) -> None:
+    INVALID_JSON = "invalid_json"  # the frame is not a JSON object
+    UNKNOWN_TYPE = "unknown_type"  # no or unknown frame ``type``
+    INVALID_PARAMS = "invalid_params"  # a field of the wrong type or range
+    FRAME_TOO_LARGE = "frame_too_large"  # over protocol.MAX_FRAME_BYTES
+    PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens over max_model_len
+    EXCEEDS_POOL = "exceeds_pool"  # could never fit the KV pool
+    EMPTY_PROMPT = "empty_prompt"  # a prompt of no tokens (offline API)
+    UNKNOWN_SESSION = "unknown_session"  # resume of an unknown or expired session id
+    SESSION_BUSY = "session_busy"  # the session has a turn in flight or another socket
+    ENGINE_STOPPED = "engine_stopped"  # the engine thread is not running
+    ENGINE_ERROR = "engine_error"  # the engine thread failed; every request in flight gets it
+    INTERNAL_ERROR = "internal_error"  # a bug in the server's handling of a frame
+
+
+class EngineError(Exception):
+    """A request the engine or server refuses; ``code`` is stable, ``message`` is for people.
+
+    Args:
+        code: one of :class:`ErrorCode` (a plain string of a member's value is converted).
+        message: a human-readable explanation naming the offending field or limit.
+
+    Raises:
+        ValueError: ``code`` is not an :class:`ErrorCode` value.
+    """
+
+    def __init__(self, code: ErrorCode | str, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = ErrorCode(code)
         self.message = message

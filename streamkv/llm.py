@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.engine_core import EngineCore
+from streamkv.errors import EngineError
 from streamkv.metrics_hooks import MetricsHooks
 from streamkv.model.loader import LoadedModel
 from streamkv.outputs import CompletedRequest, CompletionOutput, RequestOutput
@@ -95,8 +96,9 @@ class LLM:
         return [results[rid] for rid in order]
 
 
-def _collect(res: CompletedRequest, out: object) -> None:
-    assert isinstance(out, RequestOutput)
+def _collect(res: CompletedRequest, out: RequestOutput | EngineError) -> None:
+    if isinstance(out, EngineError):  # the synchronous engine reports failures by raising; never sent
+        raise out
     for d in out.deltas:
         o = res.outputs[d.index]
         o.token_ids.extend(d.token_ids)

@@ -27,6 +27,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from streamkv.config import PreemptionMode
+from streamkv.errors import ErrorCode
+from streamkv.outputs import FinishReason
+
 logger = logging.getLogger(__name__)
 
 SnapshotFn = Callable[[], Mapping[str, Any]]
@@ -44,13 +48,9 @@ LOOP_LAG_BUCKETS: tuple[float, ...] = (
 TOKEN_BUCKETS: tuple[float, ...] = tuple(float(1 << i) for i in range(16))  # 1 .. 32768
 
 BLOCK_STATES: tuple[str, ...] = ("free", "cached", "used", "pinned", "shared")
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "cancelled")
+FINISH_REASONS: tuple[FinishReason, ...] = tuple(FinishReason)
 # Pre-created so dashboards see zeros before the first error.
-KNOWN_ERROR_CODES: tuple[str, ...] = (
-    "invalid_json", "unknown_type", "invalid_params", "frame_too_large", "session_busy",
-    "unknown_session", "prompt_too_long", "exceeds_pool", "empty_prompt", "engine_stopped",
-    "internal_error", "engine_error",
-)  # fmt: skip
+KNOWN_ERROR_CODES: tuple[ErrorCode, ...] = tuple(ErrorCode)
 
 
 class EngineMetrics:
@@ -134,7 +134,9 @@ class EngineMetrics:
         if _finite(itl_s):
             self.inter_token_latency.observe(max(itl_s, 0.0))
 
-    def observe_finished(self, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason: str) -> None:
+    def observe_finished(
+        self, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason: FinishReason
+    ) -> None:
         if _finite(e2e_s):
             self.e2e_request_latency.labels(finished_reason=finish_reason).observe(max(e2e_s, 0.0))
         self.request_prompt_tokens.observe(max(prompt_tokens, 0))
@@ -144,7 +146,7 @@ class EngineMetrics:
         if _finite(lag_s):
             self.event_loop_lag.observe(max(lag_s, 0.0))
 
-    def count_error(self, code: str) -> None:
+    def count_error(self, code: ErrorCode) -> None:
         """Count one error frame; ``code`` is a server-chosen stable code (bounded cardinality)."""
         self.errors.labels(code=code).inc()
 
@@ -237,8 +239,8 @@ def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
         "streamkv_prefix_cache_hits", "Prompt tokens found in the prefix cache.", _num(counters, "prefix_cache_hits")
     )
     preemptions = CounterMetricFamily("streamkv_num_preemptions", "Preemptions by mode.", labels=["mode"])
-    preemptions.add_metric(["recompute"], _num(counters, "preemptions_recompute"))
-    preemptions.add_metric(["swap"], _num(counters, "preemptions_swap"))
+    for mode in PreemptionMode:
+        preemptions.add_metric([mode.value], _num(counters, f"preemptions_{mode.value}"))
     yield preemptions
     yield _counter("streamkv_kv_evictions", "Cached blocks evicted for reuse.", _num(counters, "evictions"))
     yield _counter("streamkv_cow_copies", "Copy-on-write block copies.", _num(counters, "cow_copies"))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from streamkv.outputs import FinishReason
+
 
 class MetricsHooks(Protocol):
     """Observers called on the engine thread; implementations must be cheap and thread-safe."""
@@ -14,4 +16,6 @@ class MetricsHooks(Protocol):
 
     def observe_inter_token(self, itl_s: float) -> None: ...
 
-    def observe_finished(self, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason: str) -> None: ...
+    def observe_finished(
+        self, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason: FinishReason
+    ) -> None: ...

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from streamkv.errors import EngineError
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sample ended (the ``finish_reason`` of deltas, done frames and metrics labels)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    CANCELLED = "cancelled"  # aborted by the client, a closed socket or shutdown
 
 
 @dataclass(slots=True)
@@ -26,7 +38,7 @@ class CompletionDelta:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(slots=True)
@@ -36,7 +48,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(slots=True)
@@ -71,3 +83,8 @@ class CompletedRequest:
     usage: Usage | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
+
+
+RequestSink = Callable[[RequestOutput | EngineError], None]
+"""Where a request's outputs go, called on the engine thread: every :class:`RequestOutput`
+(the last has ``finished=True``), or one :class:`EngineError` when the engine fails it."""

@@ -1,9 +1,14 @@
 """The model runner: KV tensors, flat batches, the forward pass, block copies.
 
 Makes no policy decision: it computes what :class:`SchedulerOutput` says.
+Also here, because they are about the device rather than about policy:
+device and attention backend selection, and the GPU memory-profiling pass
+that sizes the KV pool.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -11,6 +16,8 @@ from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.model.loader import LoadedModel
 from streamkv.sched.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -105,3 +112,64 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in out.copies], device=self.device)
             for dev in self.kv_caches:
                 dev[:, dst] = dev[:, src]
+
+
+# ------------------------------------------------------- device and memory
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when available, else the CPU; other names pass through."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` picks triton on CUDA and torch elsewhere (triton imported lazily)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from streamkv.attention.triton_paged import TritonPagedAttention
+
+        return TritonPagedAttention()
+    from streamkv.attention.torch_paged import TorchPagedAttention
+
+    return TorchPagedAttention()
+
+
+def profile_kv_budget(
+    loaded: LoadedModel,
+    device: torch.device,
+    utilization: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    block_size: int,
+) -> int:
+    """Device bytes left for KV after a forward at the full token budget (vLLM's profile run).
+
+    Runs the model once over ``max_num_batched_tokens`` dummy tokens with the
+    torch backend and logits for ``max_num_seqs`` rows, then returns
+    ``total * utilization - peak - memory used by other processes`` (>= 0).
+    CUDA only.
+    """
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    n = max_num_batched_tokens
+    m = loaded.model
+    nb = -(-n // block_size)
+    caches = [torch.zeros(2, nb, block_size, m.num_kv_heads, m.head_dim, dtype=loaded.dtype, device=device)
+              for _ in range(m.num_layers)]  # fmt: skip
+    meta = AttentionMetadata.build([n], [n], [list(range(nb))], block_size, device)
+    with torch.inference_mode():
+        hidden = m(torch.zeros(n, dtype=torch.long, device=device),
+                   torch.arange(n, device=device), caches, meta, make_backend("torch", device))  # fmt: skip
+        m.compute_logits(hidden[-min(n, max_num_seqs):])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    del caches, hidden
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * utilization) - peak - used_by_others
+    gib = 2**30
+    logger.info("GPU profile: peak %.2f GiB of %.2f GiB; KV budget %.2f GiB", peak / gib, total / gib, budget / gib)
+    return max(budget, 0)

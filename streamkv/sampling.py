@@ -29,7 +29,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     logits = logits.float() / params.temperature
     if not torch.isfinite(logits.max()):  # a tiny temperature overflowed: the limit is greedy
         return int(torch.argmax(logits))
-    if params.top_k != -1 and params.top_k < logits.shape[-1]:
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:

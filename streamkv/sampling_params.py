@@ -16,7 +16,7 @@ class SamplingParams:
         max_tokens: most new tokens per sample; ``None`` = up to max_model_len.
         temperature: 0 (or anything below 1e-5) means greedy.
         top_p: nucleus mass in (0, 1].
-        top_k: keep the k most likely tokens; -1 keeps all.
+        top_k: keep the k most likely tokens; ``None`` keeps all.
         seed: per-request RNG seed; the same seed gives the same tokens
             regardless of batch mix or preemption.
         stop: strings that end generation; the stop string is not returned.
@@ -31,7 +31,7 @@ class SamplingParams:
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -51,8 +51,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be None (all) or >= 1, got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

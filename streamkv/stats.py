@@ -1,82 +1,90 @@
-"""Stats snapshots for ``/ws/stats``, ``/api/stats`` and the Prometheus collector.
+"""The engine's stats snapshot: one immutable record per step, and its JSON form.
 
-Cheap by construction: the block pool keeps one state byte per block current
-on every change, so a snapshot copies bytes and base64-encodes them instead
-of walking the blocks.
+The engine thread builds an :class:`EngineStats` from the stats records of
+their owners (the scheduler, the KV cache manager, the output processor)
+after every step and every command, and swaps it in with one attribute
+assignment. Other threads (``/api/stats``, ``/ws/stats``, the Prometheus
+collector) only ever read a published record, never live engine state.
 """
 
 from __future__ import annotations
 
 import base64
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 from streamkv.cache.block_pool import STATE_NAMES
-from streamkv.sched.request import SeqStatus
+from streamkv.cache.kv_cache_manager import KVCacheStats
+from streamkv.output_processor import OutputStats
+from streamkv.sched.scheduler import SchedulerStats
 
-if TYPE_CHECKING:
-    from streamkv.engine_core import EngineCore
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One step's view of the engine.
 
-def build_snapshot(core: EngineCore, session_id: str | None = None, include_blocks: bool = True) -> dict:
-    """One JSON-ready dict describing the pool and the engine.
-
-    May be called from another thread than the engine's: every field is a
-    copy taken under the GIL, so block states and counts agree with each
-    other (both come from the same bytes copy), though not necessarily with
-    the counters of the same instant.
-
-    Keys: ``t`` (unix s), ``num_blocks``, ``block_size``, ``states`` (base64,
-    one byte per block, see ``state_names``), ``counts``, ``kv_usage``
-    (0..1), ``requests``, ``sessions``, ``counters``, ``finished``,
-    ``tokens_per_s``, ``session_blocks`` (session id -> block ids: pins and
-    the turn in flight). ``states`` and ``session_blocks`` only with
-    ``include_blocks``.
+    Attributes:
+        scheduler: queue lengths and scheduling counters.
+        kv: block states, pins and cache counters.
+        outputs: token counters, finished samples, recent throughput points.
+        turn_blocks: session id -> block table of the session's turn in flight
+            (sample 0 while it is running).
     """
-    kv = core.kv
-    pool = kv.pool
-    states = bytes(pool.states)
-    counts = {name: states.count(i) for i, name in enumerate(STATE_NAMES)}
-    used = core.num_blocks - counts["free"] - counts["cached"]
-    sched = core.scheduler
-    pc, sc = pool.counters, sched.counters
-    snap: dict = {
+
+    scheduler: SchedulerStats
+    kv: KVCacheStats
+    outputs: OutputStats
+    turn_blocks: dict[str, tuple[int, ...]]
+
+
+def snapshot_json(stats: EngineStats, session_id: str | None = None, include_blocks: bool = True) -> dict[str, Any]:
+    """The JSON-ready dict of ``/api/stats`` and ``/ws/stats`` (also read by ``/metrics``).
+
+    Keys: ``t`` (unix s, when this dict is built), ``num_blocks``,
+    ``block_size``, ``state_names``, ``counts``, ``kv_usage`` (0..1),
+    ``requests``, ``sessions``, ``counters``, ``finished``, ``tokens_per_s``
+    (over the last 5 s, as of now); with ``include_blocks`` also ``states``
+    (base64, one byte per block, see ``state_names``) and ``session_blocks``
+    (session id -> block ids: pins and the turn in flight; only
+    ``session_id``'s when given).
+    """
+    kv, sc, out = stats.kv, stats.scheduler, stats.outputs
+    counts = {name: kv.states.count(i) for i, name in enumerate(STATE_NAMES)}
+    used = kv.num_blocks - counts["free"] - counts["cached"]
+    snap: dict[str, Any] = {
         "t": time.time(),
-        "num_blocks": core.num_blocks,
-        "block_size": core.block_size,
+        "num_blocks": kv.num_blocks,
+        "block_size": kv.block_size,
         "state_names": list(STATE_NAMES),
         "counts": counts,
-        "kv_usage": min(1.0, max(0.0, used / core.num_blocks)),
-        "requests": {"running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(sched.swapped)},
-        "sessions": {"active": len(kv.sessions), "pinned_blocks": kv.num_pinned_blocks},
+        "kv_usage": min(1.0, max(0.0, used / kv.num_blocks)),
+        "requests": {"running": sc.num_running, "waiting": sc.num_waiting, "swapped": sc.num_swapped},
+        "sessions": {"active": kv.num_sessions, "pinned_blocks": kv.num_pinned_blocks},
         "counters": {
-            "prompt_tokens": sc.prompt_tokens,
-            "generation_tokens": sc.generation_tokens,
+            "prompt_tokens": out.prompt_tokens,
+            "generation_tokens": out.generation_tokens,
             "computed_prompt_tokens": sc.computed_prompt_tokens,
-            "prefix_cache_queries": pc.prefix_cache_queries,
-            "prefix_cache_hits": pc.prefix_cache_hits,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
             "preemptions": sc.preemptions_recompute + sc.preemptions_swap,
             "preemptions_recompute": sc.preemptions_recompute,
             "preemptions_swap": sc.preemptions_swap,
-            "evictions": pc.evictions,
-            "cow_copies": pc.cow_copies,
+            "evictions": kv.evictions,
+            "cow_copies": kv.cow_copies,
             "swapped_out_blocks": kv.num_swapped_out_blocks,
         },
-        "finished": {r: core.finished_reasons.get(r, 0) for r in ("stop", "length", "cancelled")},
-        "tokens_per_s": core.tokens_per_s(),
+        "finished": {str(reason): n for reason, n in out.finished.items()},
+        "tokens_per_s": out.tokens_per_s(),
     }
     if include_blocks:
-        snap["states"] = base64.b64encode(states).decode("ascii")
+        snap["states"] = base64.b64encode(kv.states).decode("ascii")
         sessions: dict[str, list[int]] = {}
-        for sid, pin in list(kv.sessions.items()):
+        for pin in kv.pins:
+            if session_id is None or pin.session_id == session_id:
+                sessions[pin.session_id] = [b.block_id for b in pin.blocks]
+        for sid, blocks in stats.turn_blocks.items():  # a turn in flight supersedes its pin
             if session_id is None or sid == session_id:
-                sessions[sid] = [b.block_id for b in pin.blocks]
-        for req in list(core.requests.values()):
-            sid = req.session_id
-            if sid is None or (session_id is not None and sid != session_id) or not req.seqs:
-                continue
-            seq = req.seqs[0]
-            if seq.status is SeqStatus.RUNNING:
-                sessions[sid] = kv.block_table(seq.seq_id)
+                sessions[sid] = list(blocks)
         snap["session_blocks"] = sessions
     return snap

@@ -221,9 +221,8 @@ def test_decode_steps_stay_within_budget(tiny):
         core.runner.execute(out)
         core.scheduler.update(out)
         # finish everything through the normal path to keep state consistent
-        for s in out.scheduled:
-            if s.samples:
-                core._append_token(s.seq, 0, 0.0)
+        sampled = [s.seq for s in out.scheduled if s.samples]
+        core.outputs.process(sampled, [0] * len(sampled), 0.0)
         core.check_invariants()
 
 
@@ -276,3 +275,13 @@ def test_snapshot_agrees_with_the_pool(tiny):
         assert states == bytes(core.kv.pool.states)
         assert snap["sessions"]["pinned_blocks"] == core.kv.num_pinned_blocks
         assert 0.0 <= snap["kv_usage"] <= 1.0
+
+
+
+def test_scheduler_and_server_load_without_torch():
+    """sched/ never touches tensors and server/ talks to a protocol: neither imports torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, streamkv.sched.scheduler, streamkv.server.app\nassert 'torch' not in sys.modules\n"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -31,7 +31,7 @@ def _server(tiny_model_dir: str, tiny: LoadedModel, max_model_len: int) -> Itera
 
     config = EngineConfig(
         model=ModelConfig(model=tiny_model_dir, device="cpu"),
-        cache=CacheConfig(num_blocks=256, session_ttl=30.0),
+        cache=CacheConfig(num_blocks=256),
         scheduler=SchedulerConfig(max_model_len=max_model_len),
     )
     metrics = EngineMetrics()

@@ -344,3 +344,73 @@ class KVCacheManager:
         self.pool.free([old])
         blocks[idx] = new
         self.pool.counters.cow_copies += 1
+
+    # ------------------------------------------------ queries and stats (issue #10)
+    # The scheduler and the stats snapshot ask these instead of reading the
+    # pool and the swap map directly.
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks that can be allocated now (free, cached ones included)."""
+        return self.pool.num_free_blocks
+
+    def can_swap_in(self, seq_id: int, num_extra_blocks: int = 0) -> bool:
+        """Room on the device for a swapped sequence's blocks plus ``num_extra_blocks``.
+
+        Raises:
+            KeyError: ``seq_id`` is not swapped out.
+        """
+        return len(self.swapped[seq_id]) + num_extra_blocks <= self.pool.num_free_blocks
+
+    def stats(self) -> KVCacheStats:
+        """A copy of the cache's state for the stats snapshot; call it on the owning thread.
+
+        Costs one bytes copy of the per-block states; pins are shared, not
+        copied: a :class:`SessionPin` is never changed after it is made (a new
+        pin replaces it), so other threads may read its block ids.
+        """
+        pc = self.pool.counters
+        return KVCacheStats(
+            num_blocks=len(self.pool.blocks),
+            block_size=self.block_size,
+            states=bytes(self.pool.states),
+            num_sessions=len(self.sessions),
+            num_pinned_blocks=self.num_pinned_blocks,
+            prefix_cache_queries=pc.prefix_cache_queries,
+            prefix_cache_hits=pc.prefix_cache_hits,
+            evictions=pc.evictions,
+            cow_copies=pc.cow_copies,
+            num_swapped_out_blocks=self.num_swapped_out_blocks,
+            pins=tuple(self.sessions.values()),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    """What the KV cache manager reports each step (immutable; safe to read from any thread).
+
+    Attributes:
+        num_blocks: device pool size.
+        block_size: tokens per block.
+        states: one :class:`~streamkv.cache.block_pool.BlockState` byte per block.
+        num_sessions: sessions holding a pin.
+        num_pinned_blocks: blocks held by session pins.
+        prefix_cache_queries: prompt tokens looked up (monotonic).
+        prefix_cache_hits: prompt tokens found cached or pinned (monotonic).
+        evictions: cached blocks evicted for reuse (monotonic).
+        cow_copies: copy-on-write copies (monotonic).
+        num_swapped_out_blocks: blocks copied to the host tier (monotonic).
+        pins: the session pins, least recently active first (shared, never mutated).
+    """
+
+    num_blocks: int
+    block_size: int
+    states: bytes
+    num_sessions: int
+    num_pinned_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    evictions: int
+    cow_copies: int
+    num_swapped_out_blocks: int
+    pins: tuple[SessionPin, ...]

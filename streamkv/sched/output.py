@@ -27,10 +27,6 @@ class ScheduledSeq:
     block_table: list[int]
     samples: bool
 
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
 
 @dataclass(slots=True)
 class SchedulerOutput:

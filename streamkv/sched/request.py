@@ -11,16 +11,10 @@ preemption: a sequence computes until ``num_computed_tokens`` reaches
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import torch
-
+from streamkv.outputs import FinishReason
 from streamkv.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from streamkv.detokenizer import IncrementalDetokenizer
 
 
 class SeqStatus(enum.Enum):
@@ -34,6 +28,11 @@ class SeqStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The client-facing reason of a finished status; ``None`` while unfinished."""
+        return FinishReason(self.value) if self in _FINISHED else None
 
 
 _FINISHED = {SeqStatus.FINISHED_STOPPED, SeqStatus.FINISHED_LENGTH, SeqStatus.FINISHED_ABORTED}
@@ -61,8 +60,6 @@ class Sequence:
     index: int
     token_ids: list[int]
     num_prompt_tokens: int
-    generator: torch.Generator | None
-    detokenizer: IncrementalDetokenizer
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
@@ -76,10 +73,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def arrival(self) -> tuple[float, int, int]:
@@ -97,10 +90,11 @@ class Sequence:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """A client's request: prompt, sampling params, and where outputs go.
+    """A client's request as the scheduler sees it: prompt, sampling params, its sequences.
 
-    ``sink`` receives :class:`streamkv.outputs.RequestOutput` objects on the
-    engine thread (the async front end forwards them to its event loop).
+    Where outputs go (the sink), the detokenizers and the sampling generators
+    live in :class:`streamkv.output_processor.OutputProcessor`, keyed by
+    request id and sample index.
     """
 
     request_id: str
@@ -109,7 +103,6 @@ class Request:
     max_tokens: int
     arrival_time: float
     order: int
-    sink: Callable[[object], None]
     session_id: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0

@@ -22,23 +22,45 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from streamkv.cache.kv_cache_manager import KVCacheManager
-from streamkv.config import SchedulerConfig
+from streamkv.config import PreemptionMode, SchedulerConfig
 from streamkv.sched.output import ScheduledSeq, SchedulerOutput
-from streamkv.sched.request import Sequence, SeqStatus
+from streamkv.sched.request import SeqStatus, Sequence
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class SchedulerCounters:
+    """Monotonic counters the scheduler keeps (mutable; engine thread only)."""
+
     preemptions_recompute: int = 0
     preemptions_swap: int = 0
     computed_prompt_tokens: int = 0  # prompt tokens actually run through the model
-    prompt_tokens: int = 0  # prompt tokens of admitted requests
-    generation_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """What the scheduler reports each step (immutable; safe to read from any thread).
+
+    Attributes:
+        num_running: sequences in the running set.
+        num_waiting: sequences waiting for admission (preempted ones included).
+        num_swapped: sequences whose KV is in the host tier.
+        preemptions_recompute: preemptions that freed blocks (monotonic).
+        preemptions_swap: preemptions that swapped blocks out (monotonic).
+        computed_prompt_tokens: prompt tokens run through the model (monotonic).
+    """
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    preemptions_recompute: int
+    preemptions_swap: int
+    computed_prompt_tokens: int
 
 
 class Scheduler:
@@ -62,6 +84,43 @@ class Scheduler:
         """Insert an already computed sequence (a fork child) into the running set."""
         seq.set_status(SeqStatus.RUNNING)
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
+
+    def fork(self, parent: Sequence, seq_ids: Iterable[int]) -> list[Sequence]:
+        """Fork ``parent`` into one running child per id (parallel sampling, n > 1).
+
+        Children get sample indices after the request's last one, share every
+        block of ``parent`` (copy-on-write on the first write into a shared
+        block), and join the running set; the request is marked forked.
+        """
+        req = parent.request
+        children = []
+        for seq_id in seq_ids:
+            child = Sequence(
+                seq_id=seq_id,
+                request=req,
+                index=len(req.seqs),
+                token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens,
+                num_computed_tokens=parent.num_computed_tokens,
+            )
+            req.seqs.append(child)
+            self.kv.fork(parent, child)
+            self.add_running(child)
+            children.append(child)
+        req.forked = True
+        return children
+
+    def stats(self) -> SchedulerStats:
+        """A copy of the queue lengths and counters for the stats snapshot."""
+        c = self.counters
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
+            preemptions_recompute=c.preemptions_recompute,
+            preemptions_swap=c.preemptions_swap,
+            computed_prompt_tokens=c.computed_prompt_tokens,
+        )
 
     @property
     def num_unfinished(self) -> int:
@@ -139,8 +198,7 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput, chosen: dict[int, int], by_id: dict[int, Sequence], budget: int) -> int:
         while self.swapped and budget > 0 and len(chosen) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            needed = len(self.kv.swapped[seq.seq_id]) + 1  # +1: room for the next token
-            if needed > self.kv.pool.num_free_blocks:
+            if not self.kv.can_swap_in(seq.seq_id, num_extra_blocks=1):  # +1: room for the next token
                 break
             mapping = self.kv.swap_in(seq)
             assert mapping is not None
@@ -188,25 +246,26 @@ class Scheduler:
         self.running.remove(seq)
         seq.num_preemptions += 1
         out.num_preempted += 1
-        if self.config.preemption_mode == "swap" and seq.num_computed_tokens and self.kv.can_swap_out(seq.seq_id):
+        swap = self.config.preemption_mode is PreemptionMode.SWAP
+        if swap and seq.num_computed_tokens and self.kv.can_swap_out(seq.seq_id):
             out.swap_out.extend(self.kv.swap_out(seq))
             seq.set_status(SeqStatus.SWAPPED)
             bisect.insort(self.swapped, seq, key=lambda s: s.arrival)
             self.counters.preemptions_swap += 1
-            mode = "swap"
+            mode = PreemptionMode.SWAP
         else:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.set_status(SeqStatus.WAITING)
             self.waiting.appendleft(seq)
             self.counters.preemptions_recompute += 1
-            mode = "recompute"
+            mode = PreemptionMode.RECOMPUTE
         logger.debug(
             "preempted seq %d (request %s) by %s: pool dry, %d free blocks",
             seq.seq_id,
             seq.request.request_id,
             mode,
-            self.kv.pool.num_free_blocks,
+            self.kv.num_free_blocks,
         )
 
     # ------------------------------------------------------------- update

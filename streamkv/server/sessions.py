@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from streamkv.errors import EngineError
+from streamkv.errors import EngineError, ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +128,9 @@ class SessionRegistry:
             self.release(session)
             session = None
         if session is None:
-            raise EngineError("unknown_session", f"session {session_id!r} is unknown or has expired")
+            raise EngineError(ErrorCode.UNKNOWN_SESSION, f"session {session_id!r} is unknown or has expired")
         if session.state is not SessionState.DETACHED:
-            raise EngineError("session_busy", f"session {session_id!r} is attached to another connection")
+            raise EngineError(ErrorCode.SESSION_BUSY, f"session {session_id!r} is attached to another connection")
         del self._detached[session_id]
         session.transition(SessionState.IDLE, self._clock())
         return session

@@ -72,17 +72,18 @@ class FakeEngine:
         max_model_len: int = 2048,
         num_blocks: int = 512,
         block_size: int = 16,
-        session_ttl: float = 600.0,
         token_delay: float = 0.002,
         stop_after: int | None = None,
         metrics: EngineMetrics | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=ModelConfig(model="fake-model"),
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, session_ttl=session_ttl),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
             scheduler=SchedulerConfig(max_model_len=max_model_len),
         )
         self.tokenizer = None
+        self.model_name = "fake-model"
+        self.error: BaseException | None = None
         self.chat = FakeChat()
         self.max_model_len = max_model_len
         self.eos_token_ids: tuple[int, ...] = (EOS,)

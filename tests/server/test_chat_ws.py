@@ -231,8 +231,10 @@ def test_resume_after_reconnect(server: RunningServer, engine: FakeEngine) -> No
 def test_resumable_session_expires_after_ttl(metrics: object) -> None:
     from server_harness import make_server
 
-    engine = FakeEngine(session_ttl=0.2)
-    with make_server(engine) as srv:
+    from streamkv.config import ServerConfig
+
+    engine = FakeEngine()
+    with make_server(engine, server_config=ServerConfig(stats_interval=0.05, session_ttl=0.2)) as srv:
         with connect_chat(srv) as ws:
             sid = chat_turn(ws, "hi", resumable=True, params={"max_tokens": 1}).session_id
         wait_for(lambda: engine.released == [sid], timeout=5, what="the sweeper released the session")

@@ -106,7 +106,7 @@ def test_serve_options_reach_the_configs() -> None:
     assert engine.cache.block_size == 32 and engine.cache.kv_cache_memory == 256 << 20
     assert engine.cache.gpu_memory_utilization is None and engine.cache.num_blocks == 100
     assert not engine.cache.enable_prefix_caching and engine.cache.max_pinned_fraction == 0.25
-    assert engine.cache.session_ttl == 60 and engine.cache.swap_space == 1 << 30
+    assert server.session_ttl == 60 and engine.cache.swap_space == 1 << 30
     assert engine.scheduler.max_model_len == 1024 and engine.scheduler.preemption_mode == "swap"
     assert engine.scheduler.max_num_seqs == 8 and engine.scheduler.max_num_batched_tokens == 256
     assert (server.host, server.port, server.stats_interval) == ("0.0.0.0", 9000, 0.5)

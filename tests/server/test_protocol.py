@@ -33,7 +33,7 @@ def test_chat_defaults() -> None:
     assert frame.session_id is None and frame.system is None and frame.resumable is None
     assert frame.params.max_tokens == DEFAULT_MAX_TOKENS
     assert frame.params.temperature == DEFAULT_TEMPERATURE
-    assert frame.params.n == 1 and frame.params.top_k == -1 and frame.params.stop == ()
+    assert frame.params.n == 1 and frame.params.top_k is None and frame.params.stop == ()
 
 
 def test_chat_all_fields() -> None:
@@ -106,3 +106,16 @@ def test_server_frames() -> None:
     assert ids == [1, 2], "the frame must not alias the engine's list"
     assert protocol.error_frame("x", "y") == {"type": "error", "code": "x", "message": "y"}
     assert protocol.session_frame("s", resumed=True) == {"type": "session", "session_id": "s", "resumed": True}
+
+
+@pytest.mark.parametrize("top_k", ["null", "-1"])
+def test_top_k_all_is_none(top_k: str) -> None:
+    """``null`` keeps every token; ``-1`` (what the web UI and older clients send) means the same."""
+    frame = parse_frame('{"type":"chat","content":"hi","params":{"top_k":' + top_k + "}}")
+    assert isinstance(frame, ChatFrame) and frame.params.top_k is None
+
+
+def test_top_k_below_minus_one_is_refused() -> None:
+    with pytest.raises(FrameError) as info:
+        parse_frame('{"type":"chat","content":"hi","params":{"top_k":-2}}')
+    assert info.value.code == "invalid_params" and "top_k" in info.value.message

@@ -30,7 +30,7 @@ def real_server(tiny_model_dir: str, tiny: LoadedModel) -> Iterator[RunningServe
 
     config = EngineConfig(
         model=ModelConfig(model=tiny_model_dir, device="cpu"),
-        cache=CacheConfig(num_blocks=128, session_ttl=30.0),
+        cache=CacheConfig(num_blocks=128),
         scheduler=SchedulerConfig(max_model_len=1024),
     )
     metrics = EngineMetrics()
