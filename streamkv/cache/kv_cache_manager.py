@@ -19,12 +19,13 @@ computes ``k`` new tokens this step (block size ``bs``)::
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from streamkv.cache.block import KVBlock
 from streamkv.cache.block_pool import BlockPool
 from streamkv.cache.hashing import BlockHash, hash_block_tokens
-from streamkv.cache.session_pins import SessionPins
+from streamkv.cache.session_pins import SessionPin, SessionPins
 from streamkv.cache.swap_space import SwapSpace
 
 
