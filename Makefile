@@ -31,9 +31,9 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# both always run, so one pass shows every finding; fails if either does
 lint: $(STAMP)
-	$(PY) -m ruff check .
-	$(PY) -m mypy
+	$(PY) -m ruff check .; ruff=$$?; $(PY) -m mypy; mypy=$$?; test $$ruff -eq 0 -a $$mypy -eq 0
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache test-output
