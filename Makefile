@@ -1,4 +1,5 @@
 # Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+# `make lint` runs ruff and mypy with the settings in pyproject.toml (CI runs it before the tests).
 # TORCH_SPEC picks the torch build (pip arguments). The default pin resolves to
 # a CPU wheel on the project's machines; elsewhere see the README, e.g.
 #   make test  TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
@@ -12,7 +13,7 @@ SERVE_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install bench clean
+.PHONY: serve test lint install bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,5 +31,9 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# both always run, so one pass shows every finding; fails if either does
+lint: $(STAMP)
+	$(PY) -m ruff check .; ruff=$$?; $(PY) -m mypy; mypy=$$?; test $$ruff -eq 0 -a $$mypy -eq 0
+
 clean:
-	rm -rf $(VENV) .pytest_cache test-output
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache test-output
