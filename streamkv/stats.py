@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from streamkv.cache.block_pool import STATE_NAMES
+from streamkv.cache.block import STATE_NAMES
 from streamkv.cache.kv_cache_manager import KVCacheStats
 from streamkv.output_processor import OutputStats
 from streamkv.sched.scheduler import SchedulerStats

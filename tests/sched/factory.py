@@ -52,10 +52,6 @@ def make_scheduler(
     return Scheduler(config, kv)
 
 
-def _discard(out: object) -> None:
-    pass
-
-
 def make_seq(prompt: int | list[int], *, session_id: str | None = None, max_tokens: int = 1000) -> Sequence:
     """A new request's sequence 0; later calls arrive later.
 
@@ -71,7 +67,6 @@ def make_seq(prompt: int | list[int], *, session_id: str | None = None, max_toke
         max_tokens=max_tokens,
         arrival_time=float(order),
         order=order,
-        sink=_discard,
         session_id=session_id,
     )
     seq = Sequence(
@@ -80,8 +75,6 @@ def make_seq(prompt: int | list[int], *, session_id: str | None = None, max_toke
         index=0,
         token_ids=token_ids,
         num_prompt_tokens=len(token_ids),
-        generator=None,
-        detokenizer=None,  # type: ignore[arg-type]  # the scheduler never reads it
     )
     request.seqs.append(seq)
     return seq
