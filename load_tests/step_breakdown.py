@@ -138,9 +138,9 @@ def instrument(h: DecodeHarness, timers: Timers) -> list[tuple[Any, str, Any]]:
         (torch_paged, "_decode", w("      paged decode (gather+bmm)", torch_paged._decode)),
         (llama, "apply_rope", w("    rope", llama.apply_rope)),
         (engine_core, "sample_batch", w("sample_batch", engine_core.sample_batch)),
-        (core, "_append_token", w("append_token (total)", core._append_token)),
+        (core.outputs, "_append_token", w("append_token (total)", core.outputs._append_token)),
         (IncrementalDetokenizer, "add_token", w("  detokenizer.add_token", add_token)),
-        (core, "_emit", w("emit outputs", core._emit)),
+        (core.outputs, "_emit", w("emit outputs", core.outputs._emit)),
     ]
     for name, module in model.named_modules():
         if isinstance(module, llama.Linear):
