@@ -6,7 +6,8 @@ ignored), greedy decoding, the same threads, the same KV budget and the same
 token budget per step, and runs in its own subprocess (its own venv for the
 peers; see ``load_tests/peer_setup.py``) through ``load_tests/offline_runner.py``:
 
-- ``transformers``: ``generate``, fp32, static batches (the reference);
+- ``transformers``: ``generate``, fp32 (the reference): a uniform workload as
+  one batch, the mixed one in static batches of ``--hf-batch-size``, padded;
 - ``streamkv-fp32``, ``streamkv-bf16``, ``streamkv-int8``: the offline ``LLM``
   with ``dtype`` float32 / bfloat16 / auto (+ ``quantization="int8"``); a
   variant the checked-out streamkv does not accept prints as unsupported;
@@ -205,7 +206,10 @@ def agreement(result: dict[str, Any], reference: dict[str, Any] | None) -> str:
     ref = {w["name"]: w["prompt0_output_ids"] for w in reference["workloads"] if w["name"].startswith("B=")}
     pairs = [(common_prefix(w["prompt0_output_ids"], ref[w["name"]]), len(ref[w["name"]]))
              for w in result["workloads"] if w["name"] in ref]  # fmt: skip
-    return min((f"{k}/{n}" for k, n in pairs), key=lambda s: int(s.split("/")[0]), default="-")
+    if not pairs:
+        return "-"
+    k, n = min(pairs)
+    return f"{k}/{n}"
 
 
 def figures_table(results: dict[str, dict[str, Any]], batches: list[int]) -> tuple[str, int]:
@@ -282,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gib", type=int, default=2, help="KV budget of every engine (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget per step, every engine")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--hf-batch-size", type=int, default=64, help="transformers' static batch")
+    p.add_argument("--hf-batch-size", type=int, default=32,
+                   help="transformers' static batch for the mixed workload (uniform ones run as one batch)")
     p.add_argument("--engine-timeout", type=float, default=7200.0, help="seconds one variant's subprocess may run")
     p.add_argument("--cache-dir", type=Path, default=peer_setup.default_cache_dir(), help="peer venvs and models")
     p.add_argument("--torch-spec", default=peer_setup.DEFAULT_TORCH_SPEC, help="CPU torch of the OpenVINO venv")

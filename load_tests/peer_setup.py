@@ -155,13 +155,17 @@ class VllmVenv:
     version: str
 
     def env(self, threads: int, kv_cache_space_gib: int) -> dict[str, str]:
-        """The environment vLLM CPU runs with (peers.md): all ``threads`` cores bound, gomp preloaded."""
+        """The environment vLLM CPU runs with (peers.md): all ``threads`` cores bound, gomp preloaded.
+
+        ``VLLM_CACHE_ROOT`` keeps vLLM's compile cache under the bench cache (not ``~/.cache/vllm``).
+        """
         libgomp = sorted(self.root.glob("lib/python3*/site-packages/torch/lib/libgomp*.so*"))
         env = {
             "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib),
             "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0",
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CACHE_ROOT": str(self.root.parent / "vllm-cache"),  # its torch.compile cache, next to the venv
         }
         if libgomp:
             env["LD_PRELOAD"] = str(libgomp[0])

@@ -1,6 +1,7 @@
 """transformers ``generate`` for ``offline_runner``: greedy, fp32, static batches, left padding.
 
-The workload runs in batches of ``hf_batch_size`` requests in its order; each
+A workload whose prompts all have one length runs as one batch (no padding);
+any other runs in batches of ``hf_batch_size`` requests in its order. Each
 batch generates exactly its longest requested output (``min_new_tokens`` =
 ``max_new_tokens``), and only the requested tokens of each row count. A
 logits processor notes when each step's logits are ready, which is when that
@@ -53,10 +54,12 @@ class Engine:
         from transformers import LogitsProcessorList
 
         outputs: list[list[int]] = []
+        uniform = len({len(p) for p in workload.prompts}) == 1
+        size = len(workload.prompts) if uniform else self.batch_size
         log.start()
-        for lo in range(0, len(workload.prompts), self.batch_size):
-            prompts = workload.prompts[lo : lo + self.batch_size]
-            olens = workload.output_lens[lo : lo + self.batch_size]
+        for lo in range(0, len(workload.prompts), size):
+            prompts = workload.prompts[lo : lo + size]
+            olens = workload.output_lens[lo : lo + size]
             width = max(len(p) for p in prompts)
             ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros((len(prompts), width), dtype=torch.long)
