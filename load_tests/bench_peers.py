@@ -155,7 +155,8 @@ def run_variant(v: Variant, args: argparse.Namespace, workloads: list[dict[str, 
     with open(log_path, "w") as log:
         try:
             subprocess.run([*cmd, "--spec", str(spec_path), "--out", str(out_path)], stdout=log,
-                           stderr=subprocess.STDOUT, env={**os.environ, **env}, timeout=args.engine_timeout)  # fmt: skip
+                           stderr=subprocess.STDOUT, env={**os.environ, **env}, timeout=args.engine_timeout,
+                           check=False)  # fmt: skip
         except subprocess.TimeoutExpired:
             pass
     wall = time.perf_counter() - t0
@@ -226,7 +227,10 @@ def figures_table(results: dict[str, dict[str, Any]], batches: list[int]) -> tup
             rows.append([label, *([why] + ["-"] * (len(headers) - 2))])
             continue
         m = medians(res)
-        get = lambda w, k: m.get(w, {}).get(k)  # noqa: E731
+
+        def get(w: str, k: str, m: dict[str, dict[str, float | None]] = m) -> float | None:
+            return m.get(w, {}).get(k)
+
         greedy = "reference" if name == "transformers" else agreement(res, reference)
         rows.append([label, *(get(f"B={b}", "output_tok_s") for b in batches), get(f"B={at}", "decode_tok_s"),
                      get(f"B={at}", "ttft_mean_s"), get("mixed", "output_tok_s"), greedy])  # fmt: skip

