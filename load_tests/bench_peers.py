@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -150,15 +151,18 @@ def run_variant(v: Variant, args: argparse.Namespace, workloads: list[dict[str, 
     }  # fmt: skip
     spec_path, out_path, log_path = (run_dir / f"{v.name}.{s}" for s in ("spec.json", "result.json", "log"))
     spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)  # a result left by an earlier run must not stand in for this one
     print(f"--- {v.name}: {' '.join(cmd)} (log {log_path})", flush=True)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
+        # Its own process group: on a timeout the engine's children (vLLM's engine core) go too.
+        proc = subprocess.Popen([*cmd, "--spec", str(spec_path), "--out", str(out_path)], stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)  # fmt: skip
         try:
-            subprocess.run([*cmd, "--spec", str(spec_path), "--out", str(out_path)], stdout=log,
-                           stderr=subprocess.STDOUT, env={**os.environ, **env}, timeout=args.engine_timeout,
-                           check=False)  # fmt: skip
+            proc.wait(args.engine_timeout)
         except subprocess.TimeoutExpired:
-            pass
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
     wall = time.perf_counter() - t0
     if not out_path.is_file():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])

@@ -186,6 +186,7 @@ def run_cell(
     name = f"{server.name}-{dataset}-c{concurrency}.json"
     cmd = bench_command(args, venv, hf, server.base_url, dataset, concurrency, out_dir, name)
     log = out_dir / f"{name}.log"
+    (out_dir / name).unlink(missing_ok=True)  # a result left by an earlier run must not stand in for this one
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
@@ -264,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the streamkv source tree to serve (python -m streamkv runs there, with this venv)")
     p.add_argument("--streamkv-args", default="", help="extra flags for streamkv serve (one string)")
     p.add_argument("--vllm-args", default="", help="extra flags for vllm serve (one string)")
+    p.add_argument("--start-timeout", type=float, default=1800.0,
+                   help="seconds a server may take to answer /v1/models (vLLM compiles at its first start)")
     p.add_argument("--cell-timeout", type=float, default=1800.0, help="seconds one vllm bench serve may run")
     p.add_argument("--cache-dir", type=Path, default=peer_setup.default_cache_dir(), help="peer venvs and models")
     p.add_argument("--out", type=Path, default=None, help="write every figure, command and environment to this JSON")
@@ -297,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.servers:
         srv = streamkv_server(args, out_dir) if name == "streamkv" else vllm_server(args, venv, hf, out_dir)
+        srv.start_timeout_s = args.start_timeout
         servers[name] = {"command": shlex.join(srv.cmd), "env": srv.env, "cwd": str(srv.cwd), "log": str(srv.log_path)}
         try:
             with srv:
