@@ -268,8 +268,8 @@ def ensure_hf_model(cache: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
         # The weights are plain de-quantized fp32; only the bookkeeping says "gguf".
-        model.hf_quantizer = None
-        model.is_quantized = False
+        model.hf_quantizer = None  # type: ignore[assignment]  # transformers' attribute, typed loosely
+        model.is_quantized = False  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         tmp = cache / f".{HF_FOLDER_NAME}.tmp"
