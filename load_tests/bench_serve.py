@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(["dataset", "C", "server", *HEADERS], figures_rows(cells, args.servers)))
     print(f"\nload average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     for name, s in servers.items():
-        print(f"{name}: {' '.join(f'{k}={v}' for k, v in s['env'].items())} {s['command']}")
+        print(f"{name}: {' '.join(f'{k}={v}' for k, v in s['env'].items())} {s['command']} (in {s['cwd']})")
     if args.out is not None:
         write_json(args.out, {**header, "args": {k: str(v) for k, v in vars(args).items()}, "servers": servers,
                               "cells": cells, "loadavg_before": load_before, "loadavg_after": load_after})  # fmt: skip
