@@ -99,3 +99,109 @@ def test_spawned_server_refuses_host_and_port_overrides() -> None:
 
     with pytest.raises(ValueError, match="must not set --host/--port"):
         SpawnedServer(["--host", "0.0.0.0"])
+
+
+# ------------------------------------------- peer benchmarks (no peer installed: parsing, timing, tables)
+
+
+def _offline_result(name: str, tok_s: dict[str, float], prompt0: list[int], ttft: float = 0.5) -> dict:
+    """A result file of load_tests/offline_runner.py with one run per workload of ``tok_s`` (100 tokens each)."""
+    runs = lambda v: [{"wall_s": 100 / v, "output_tokens": 100, "ttft_s": [ttft, ttft], "decode_tokens": 50,  # noqa: E731
+                       "decode_s": 50 / v}]  # fmt: skip
+    workloads = [{"name": w, "runs": runs(v), "prompt0_output_ids": prompt0} for w, v in tok_s.items()]
+    return {"engine": name.split("-")[0], "variant": name, "workloads": workloads}
+
+
+def test_bench_peers_arguments_and_workloads() -> None:
+    from load_tests import bench_peers
+
+    args = bench_peers.parse_args(["--quick", "--engines", "transformers", "streamkv-fp32"])
+    assert args.batches == [1] and args.new_tokens == 16 and args.repeats == 1 and args.mixed_requests == 4
+    args = bench_peers.parse_args(["--batches", "32", "1", "8", "--mixed-prompt", "32:64", "--mixed-requests", "5"])
+    assert args.batches == [1, 8, 32] and args.repeats == 3 and args.engines == list(bench_peers.VARIANTS)
+    with pytest.raises(SystemExit):
+        bench_peers.parse_args(["--engines", "llama-cpp"])
+    with pytest.raises(SystemExit):
+        bench_peers.parse_args(["--mixed-prompt", "64:32"])
+    workloads = bench_peers.make_workloads(args, vocab_size=1000)
+    assert [w["name"] for w in workloads] == ["B=1", "B=8", "B=32", "mixed"]
+    assert workloads[0]["prompts"][0] == workloads[1]["prompts"][0] == workloads[2]["prompts"][0]
+    assert len(set(map(tuple, workloads[2]["prompts"]))) == 32 and workloads[2]["output_lens"] == [128] * 32
+    mixed = workloads[3]
+    assert all(32 <= len(p) <= 64 for p in mixed["prompts"]) and all(16 <= n <= 512 for n in mixed["output_lens"])
+    assert all(100 <= t < 1000 for p in mixed["prompts"] for t in p)
+    assert bench_peers.make_workloads(args, vocab_size=1000) == workloads  # fixed seed
+
+
+def test_offline_runner_event_log_splits_prefill_from_decode() -> None:
+    sys.path.insert(0, str(REPO / "load_tests"))
+    from offline_runner import EventLog, Workload
+
+    wl = Workload("B=2", [[5, 6], [7, 8]], [3, 3])
+    log = EventLog(2)
+    log.t0 = 0.0
+    for now, i in ((1.0, 0), (2.0, 1), (2.0, 0), (3.0, 0), (3.0, 1), (4.0, 1)):
+        log.tokens(i, 1, now)
+    rec = log.record(wl)
+    assert rec.ttft_s == [1.0, 2.0] and rec.wall_s == 4.0 and rec.output_tokens == 6
+    # every request decodes after t=2: three tokens arrive in (2, 4]
+    assert rec.decode_tokens == 3 and rec.decode_s == 2.0 and rec.decode_tok_s == 1.5
+    short = EventLog(2)
+    short.tokens(0, 3)
+    with pytest.raises(RuntimeError, match="3 tokens for 6 requested, 1 requests without a token"):
+        short.record(wl)
+
+
+def test_bench_peers_table_agreement_and_goals(capsys: pytest.CaptureFixture[str]) -> None:
+    from load_tests import bench_peers
+
+    ref = [1, 2, 3, 4]
+    results = {
+        "transformers": _offline_result("transformers", {"B=1": 10.0, "B=8": 50.0}, ref, ttft=2.0),
+        "streamkv-fp32": _offline_result("streamkv-fp32", {"B=1": 30.0, "B=8": 130.0, "mixed": 99.0}, ref, ttft=0.4),
+        "vllm-fp32": _offline_result("vllm-fp32", {"B=1": 28.0, "B=8": 100.0}, [1, 2, 9, 9], ttft=0.3),
+        "openvino-f32": {"engine": "openvino", "variant": "openvino-f32", "error": "boom"},
+        "streamkv-int8": {"engine": "streamkv", "variant": "streamkv-int8", "unsupported": "no quantization"},
+    }
+    text, at = bench_peers.figures_table(results, [1, 8])
+    lines = text.splitlines()
+    assert at == 8 and "B=8 decode tok/s" in lines[0] and "B=8 TTFT s" in lines[0] and len(lines) == 2 + len(results)
+    row = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[2:]}
+    assert row["transformers `generate`, fp32"][-1] == "reference"
+    assert row["streamkv offline, fp32"] == ["30.0", "130.0", "130.0", "0.4", "99.0", "4/4"]
+    assert row["vLLM CPU offline, fp32"][-1] == "2/4" and row["vLLM CPU offline, fp32"][-2] == "-"
+    assert row["OpenVINO GenAI, f32 precision, f32 KV"][0] == "error"
+    assert row["streamkv offline, int8 weights"][0] == "unsupported"
+    goals = bench_peers.check_goals(results, [1, 8], at)
+    got = {g["goal"]: g["passed"] for g in goals}
+    assert got == {"streamkv-fp32 B=1 output tok/s over vllm-fp32": True,  # 1.07x >= 1.0x
+                   "streamkv-fp32 B=8 output tok/s over vllm-fp32": True,  # 1.3x >= 1.2x
+                   "streamkv-fp32 B=8 TTFT vs vllm-fp32": False}  # 0.4 s > 0.3 s  # fmt: skip
+    assert "GOAL FAIL: streamkv-fp32 B=8 TTFT vs vllm-fp32" in capsys.readouterr().out
+
+
+def test_bench_serve_command_and_result_parsing(tmp_path: Path) -> None:
+    from load_tests import bench_serve, peer_setup
+
+    args = bench_serve.parse_args([])
+    assert args.concurrency == [1, 8, 32] and args.servers == ["streamkv", "vllm"] and args.dtype == "float32"
+    venv = peer_setup.VllmVenv(tmp_path, tmp_path / "python", tmp_path / "vllm-cli", "0.32.0")
+    cmd = bench_serve.bench_command(args, venv, tmp_path / "hf", "http://127.0.0.1:9", "random", 8, tmp_path, "r.json")
+    flags = " ".join(cmd)
+    for part in ("bench serve --backend openai --endpoint /v1/completions", "--max-concurrency 8", "--num-prompts 32",
+                 "--ignore-eos", "--temperature 0", "--random-input-len 128 --random-output-len 128",
+                 f"--tokenizer {tmp_path / 'hf'}", "--save-result", "--model smollm2-135m-instruct"):  # fmt: skip
+        assert part in flags, part
+    pr = " ".join(bench_serve.bench_command(args, venv, tmp_path, "u", "prefix_repetition", 1, tmp_path, "p.json"))
+    assert "--prefix-repetition-prefix-len 512" in pr and "--num-prompts 8" in pr and "--random-input-len" not in pr
+    env = venv.env(threads=2, kv_cache_space_gib=2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    saved = {"output_throughput": 250.0, "mean_ttft_ms": 100.0, "p99_ttft_ms": 300.0, "mean_tpot_ms": 40.0,
+             "p99_tpot_ms": 45.0, "mean_itl_ms": 40.0, "p99_itl_ms": 90.0, "completed": 32, "failed": 0}  # fmt: skip
+    vllm = bench_serve.parse_result(saved)
+    ours = bench_serve.parse_result({**saved, "output_throughput": 300.0, "mean_tpot_ms": 30.0, "p99_itl_ms": None})
+    assert vllm["completed"] == 32 and ours["p99_itl_ms"] is None
+    rows = bench_serve.figures_rows({"random:8": {"streamkv": ours, "vllm": vllm}, "random:32": {"streamkv": {"skipped": "no /v1"}}},
+                                    ["streamkv", "vllm"])  # fmt: skip
+    assert rows[2][:4] == ["random", "8", "streamkv/vllm", "1.20x"] and rows[2][6] == "0.75x" and rows[2][-1] == "-"
+    assert rows[3][:4] == ["random", "32", "streamkv", "skipped"]
