@@ -22,12 +22,16 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
+
+# ``*_created`` series (one per counter and histogram, holding a timestamp) only
+# double the exposition; vLLM turns them off too. Process-wide in prometheus-client.
+disable_created_metrics()
 
 SnapshotFn = Callable[[], Mapping[str, Any]]
 

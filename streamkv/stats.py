@@ -48,7 +48,7 @@ def build_snapshot(core: EngineCore, session_id: str | None = None, include_bloc
         "counts": counts,
         "kv_usage": min(1.0, max(0.0, used / core.num_blocks)),
         "requests": {"running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(sched.swapped)},
-        "sessions": {"active": len(kv.sessions), "pinned_blocks": kv.num_pinned_blocks},
+        "sessions": {"active": len(kv.sessions), "pinned_blocks": pool.num_pinned_blocks},
         "counters": {
             "prompt_tokens": sc.prompt_tokens,
             "generation_tokens": sc.generation_tokens,
