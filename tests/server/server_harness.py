@@ -12,6 +12,7 @@ Every wait is bounded; helpers raise ``TimeoutError`` instead of hanging.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -71,7 +72,7 @@ def make_server(
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     base = server_config or ServerConfig(stats_interval=0.05)
-    config = ServerConfig(host="127.0.0.1", port=port, stats_interval=base.stats_interval)
+    config = dataclasses.replace(base, host="127.0.0.1", port=port)
     metrics = metrics or EngineMetrics()
     app = create_app(engine, config, metrics, web_dir=web_dir)
     server = uvicorn.Server(
