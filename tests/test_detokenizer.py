@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -55,7 +55,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
             return text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or text
 
 
 def _version() -> str:
@@ -119,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-blocks", type=int, default=None, help="exact KV pool size, overriding the two sizings above"
     )
     serve.add_argument(
-        "--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's, capped at the pool)"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output limit (default: the model's, capped at the pool)",
     )
     serve.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs, help="sequences per step")
     serve.add_argument(

@@ -46,7 +46,9 @@ VIEWPORTS = {"desktop": {"width": 1280, "height": 800}, "phone": {"width": 390, 
 
 @pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 def test_page_streams_an_answer_and_maps_its_blocks(web_server: RunningServer, output_dir: Path) -> None:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="browser test needs playwright (pip install -e .[dev])")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="browser test needs playwright (pip install -e .[dev])"
+    )
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
@@ -87,7 +89,9 @@ def test_page_streams_an_answer_and_maps_its_blocks(web_server: RunningServer, o
 
 @pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 def test_page_fits_desktop_and_phone_without_sideways_scroll(web_server: RunningServer, output_dir: Path) -> None:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="browser test needs playwright (pip install -e .[dev])")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="browser test needs playwright (pip install -e .[dev])"
+    )
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
