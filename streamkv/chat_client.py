@@ -3,7 +3,8 @@
 Interactive: type a line, the answer streams in; the session carries over to
 follow-ups. ``/reset`` starts a new conversation, ``/quit`` (or EOF) leaves,
 Ctrl-C during an answer cancels it (a second Ctrl-C, or one at the prompt,
-quits). One-shot (``-m "question"``): print the answer and exit with 0 (1 on
+quits). One-shot (``-m "question"``): print the answer (and the usage line,
+on stderr, as interactive turns do) and exit with 0 (1 on
 an error frame, 2 when the server cannot be reached, 130 on Ctrl-C).
 """
 
@@ -130,9 +131,8 @@ async def one_shot(options: ChatOptions, message: str, out: TextIO | None = None
             client = ChatClient(ws, options, out, err)
             with _sigint_cancels(client):
                 result = await client.ask(message)
-            out.write("\n")
+            client.report(result)  # the answer's newline, then the usage footer (or the error) on stderr
             if result["type"] == "error":
-                err.write(f"error {result.get('code')}: {result.get('message')}\n")
                 return EXIT_ERROR_FRAME
             return EXIT_INTERRUPTED if client.cancel_requested.is_set() else EXIT_OK
     except (OSError, TimeoutError, WebSocketException) as e:

@@ -135,12 +135,24 @@ class ServerConfig:
         port: TCP port.
         stats_interval: seconds between ``/ws/stats`` snapshots.
         session_ttl: seconds an idle (detached) session keeps its pin and history.
+        allowed_origins: origins (``scheme://host[:port]``) allowed to open a
+            WebSocket besides the server's own; ``("*",)`` allows any.
+        max_connections: most open WebSockets plus HTTP requests in flight
+            (``/healthz`` and ``/metrics`` exempt); ``None`` = no cap.
+        idle_timeout: seconds a chat socket may stay silent with no turn in flight.
+        max_stop_strings: most stop strings per request.
+        max_stop_string_length: most characters of one stop string.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     stats_interval: float = 0.25
     session_ttl: float = 600.0
+    allowed_origins: tuple[str, ...] = ()
+    max_connections: int | None = 1024
+    idle_timeout: float = 600.0
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -149,3 +161,11 @@ class ServerConfig:
             raise ValueError("stats_interval must be positive")
         if self.session_ttl <= 0:
             raise ValueError("session_ttl must be positive")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        if self.idle_timeout <= 0:
+            raise ValueError("idle_timeout must be positive")
+        if self.max_stop_strings < 0:
+            raise ValueError("max_stop_strings must be >= 0")
+        if self.max_stop_string_length < 1:
+            raise ValueError("max_stop_string_length must be at least 1")

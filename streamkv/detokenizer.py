@@ -10,10 +10,16 @@ Two rules clients can rely on:
    generation ends another way (EOS, max_tokens).
 
 Concatenating every delta gives the final text.
+
+Stop strings are matched by one Knuth-Morris-Pratt automaton each, fed the
+new characters only: a token costs O(new characters x stop strings)
+amortized, whatever the length of the text or of the stop strings (the
+tables cost O(total stop-string length) once per sequence).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -21,6 +27,61 @@ from transformers import PreTrainedTokenizerBase
 # how many tokens of left context to decode with, so that tokenizers that
 # merge leading spaces decode the new tokens as they appear in the whole text
 _CONTEXT_TOKENS = 6
+
+
+class StopMatcher:
+    """Finds stop strings in a growing text, one character at a time.
+
+    ``states[i]`` is the length of the longest prefix of ``stop[i]`` that is a
+    suffix of the text fed so far (the KMP automaton's state).
+
+    Args:
+        stop: non-empty stop strings.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = tuple(stop)
+        self._failure = [_failure_table(s) for s in self.stop]
+        self.states = [0] * len(self.stop)
+
+    def feed(self, text: str, offset: int) -> int | None:
+        """Feed ``text``, which starts at index ``offset`` of the whole text.
+
+        Returns the start index (in the whole text) of the earliest-starting
+        stop string that completes within ``text``, else ``None``.
+        """
+        cut = None
+        for i, s in enumerate(self.stop):
+            state, fail, n = self.states[i], self._failure[i], len(s)
+            for j, ch in enumerate(text):
+                while state and s[state] != ch:
+                    state = fail[state - 1]
+                if s[state] == ch:
+                    state += 1
+                if state == n:
+                    start = offset + j + 1 - n
+                    cut = start if cut is None else min(cut, start)
+                    state = fail[state - 1]
+                    break
+            self.states[i] = state
+        return cut
+
+    def held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        return max(self.states, default=0)
+
+
+def _failure_table(s: str) -> array:
+    """KMP failure function: ``f[k]`` = longest proper border of ``s[: k + 1]``."""
+    f = array("i", bytes(4 * len(s)))
+    k = 0
+    for q in range(1, len(s)):
+        while k and s[k] != s[q]:
+            k = f[k - 1]
+        if s[k] == s[q]:
+            k += 1
+        f[q] = k
+    return f
 
 
 class IncrementalDetokenizer:
@@ -37,7 +98,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
-        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._matcher = StopMatcher(self.stop) if self.stop else None
         self._ids: list[int] = list(prompt_tail[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -56,37 +117,24 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
+        piece = ""
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self.text += new_text[len(prefix_text) :]
+            piece = new_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
-        if self.stop:
-            start = max(0, self.num_emitted - self._max_stop)
-            cut = None
-            for s in self.stop:
-                i = self.text.find(s, start)
-                if i != -1 and (cut is None or i < cut):
-                    cut = i
+        offset = len(self.text)
+        self.text += piece
+        if self._matcher is not None:
+            cut = self._matcher.feed(piece, offset) if piece else None
             if cut is not None:
                 self.text = self.text[:cut]
                 return self._emit(len(self.text)), True
-            return self._emit(len(self.text) - self._held_back()), False
+            return self._emit(len(self.text) - self._matcher.held_back()), False
         return self._emit(len(self.text)), False
 
     def flush(self) -> str:
         """Return everything still held back (generation ended without a stop string)."""
         return self._emit(len(self.text))
-
-    def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of a stop string."""
-        text = self.text
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
 
     def _emit(self, upto: int) -> str:
         upto = max(upto, self.num_emitted)

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -32,6 +32,10 @@ from streamkv.errors import ErrorCode
 from streamkv.outputs import FinishReason
 
 logger = logging.getLogger(__name__)
+
+# ``*_created`` series (one per counter and histogram, holding a timestamp) only
+# double the exposition; vLLM turns them off too. Process-wide in prometheus-client.
+disable_created_metrics()
 
 SnapshotFn = Callable[[], Mapping[str, Any]]
 
@@ -49,6 +53,7 @@ TOKEN_BUCKETS: tuple[float, ...] = tuple(float(1 << i) for i in range(16))  # 1 
 
 BLOCK_STATES: tuple[str, ...] = ("free", "cached", "used", "pinned", "shared")
 FINISH_REASONS: tuple[FinishReason, ...] = tuple(FinishReason)
+LIMITS: tuple[str, ...] = ("max_connections", "idle_timeout", "max_stop_strings", "max_stop_string_length")
 # Pre-created so dashboards see zeros before the first error.
 KNOWN_ERROR_CODES: tuple[ErrorCode, ...] = tuple(ErrorCode)
 
@@ -112,6 +117,20 @@ class EngineMetrics:
             self.errors.labels(code=code)
         for reason in FINISH_REASONS:
             self.e2e_request_latency.labels(finished_reason=reason)
+        # the server's own bounds (streamkv/server/limits.py, origin.py)
+        self.open_connections = Gauge(
+            "streamkv_open_connections", "Open WebSockets and HTTP requests in flight.", ["kind"], registry=r
+        )
+        self.limit_refusals = Counter(
+            "streamkv_limit_refusals", "Connections and requests refused or closed by a limit.", ["limit"], registry=r
+        )
+        self.rejected_origins = Counter(
+            "streamkv_rejected_origins", "WebSocket handshakes refused by the Origin check.", registry=r
+        )
+        for kind in ("http", "websocket"):
+            self.open_connections.labels(kind=kind)
+        for limit in LIMITS:
+            self.limit_refusals.labels(limit=limit)
         self._snapshot_collector = _SnapshotCollector()
         r.register(self._snapshot_collector)
 

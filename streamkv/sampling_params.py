@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
@@ -14,8 +15,8 @@ class SamplingParams:
     Attributes:
         n: independent samples of the same prompt (share the prompt's blocks).
         max_tokens: most new tokens per sample; ``None`` = up to max_model_len.
-        temperature: 0 (or anything below 1e-5) means greedy.
-        top_p: nucleus mass in (0, 1].
+        temperature: 0 (or anything below 1e-5) means greedy; finite.
+        top_p: nucleus mass in (0, 1]; finite.
         top_k: keep the k most likely tokens; ``None`` keeps all.
         seed: per-request RNG seed; the same seed gives the same tokens
             regardless of batch mix or preemption.
@@ -24,7 +25,8 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks).
 
     Raises:
-        ValueError: on out-of-range values (the message names the field).
+        ValueError: on out-of-range or non-finite (NaN, inf) values (the
+            message names the field).
     """
 
     n: int = 1
@@ -47,6 +49,10 @@ class SamplingParams:
             raise ValueError(f"n must be in 1..16, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not math.isfinite(value):  # NaN slips through every comparison below
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import time
 
-from streamkv.detokenizer import IncrementalDetokenizer
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamkv.detokenizer import IncrementalDetokenizer, StopMatcher
 
 TEXTS = ["naïve café 🙂 日本語 👩‍💻", "Zürich – «quotes» and emoji 🎉🎉 done", "plain ascii words"]
 
@@ -54,3 +58,66 @@ def test_earliest_of_several_stop_strings_wins(smollm2_tokenizer):
         if stopped:
             break
     assert stopped and out == "one "
+
+
+def test_long_stop_strings_cost_per_token_not_per_text(smollm2_tokenizer):
+    # 16 stop strings of 60,000 characters over 2,000 tokens once took a minute of
+    # engine-thread time (an O(stop length^2) hold-back scan per token). Bounded
+    # by a deadline so a regression fails instead of hanging.
+    tok = smollm2_tokenizer
+    stops = [f"{i:02d}" + "x" * 59_998 for i in range(16)]
+    ids = tok.encode(" the quick brown fox jumps over the lazy dog" * 250, add_special_tokens=False)[:2000]
+    assert len(ids) == 2000
+    detok = IncrementalDetokenizer(tok, stop=stops)
+    deadline = time.monotonic() + 20.0  # generous: the fix takes well under a second, even on a loaded machine
+    out = []
+    for t in ids:
+        delta, stopped = detok.add_token(t)
+        out.append(delta)
+        assert not stopped
+        assert time.monotonic() < deadline, f"stop-string matching too slow after {len(out)} tokens"
+    out.append(detok.flush())
+    assert "".join(out) == tok.decode(ids)
+
+
+def test_stop_string_that_overlaps_itself_is_found(smollm2_tokenizer):
+    # KMP: after "aab" fails on "aaab" the automaton must fall back, not restart
+    tok = smollm2_tokenizer
+    ids = tok.encode("xx aaab yy", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, stop=["aab"])
+    out = ""
+    for t in ids:
+        delta, stopped = detok.add_token(t)
+        out += delta
+        if stopped:
+            break
+    assert stopped and out == "xx a"
+
+
+def test_stop_string_with_a_repeated_prefix_is_held_back(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode("ab ab ab", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, stop=["ab ab c"])
+    streamed = "".join(detok.add_token(t)[0] for t in ids)
+    assert streamed == "ab "  # "ab ab" may still begin the stop string
+    assert streamed + detok.flush() == "ab ab ab"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chunks=st.lists(st.text("ab", max_size=4), max_size=12),
+    stop=st.lists(st.text("ab", min_size=1, max_size=5), min_size=1, max_size=3),
+)
+def test_stop_matcher_agrees_with_a_naive_scan(chunks: list[str], stop: list[str]) -> None:
+    matcher = StopMatcher(stop)
+    text = ""
+    for chunk in chunks:
+        cut = matcher.feed(chunk, len(text))
+        text += chunk
+        found = [text.find(s) for s in stop if s in text]  # earlier chunks completed none
+        if found:
+            assert cut == min(found)
+            return
+        assert cut is None
+        held = max((k for s in stop for k in range(len(s)) if text.endswith(s[:k])), default=0)
+        assert matcher.held_back() == held

@@ -172,3 +172,33 @@ def test_observations_from_many_threads() -> None:
     got = scrape(m)
     assert got[("streamkv_inter_token_latency_seconds_count", ())] == 8000
     assert got[("streamkv_errors_total", (("code", "invalid_params"),))] == 8000
+
+
+def test_no_created_series() -> None:
+    # prometheus-client adds a *_created timestamp per counter and histogram unless told not to
+    m = EngineMetrics()
+    m.attach(lambda: SNAPSHOT)
+    m.observe_first_token(0.1)
+    m.count_error("invalid_json")
+    body = m.render()[0].decode()
+    assert "streamkv_errors_total" in body and "streamkv_time_to_first_token_seconds_count" in body
+    assert "_created" not in body
+
+
+def test_pinned_blocks_counts_a_block_two_sessions_pin_once(tiny) -> None:
+    from tests.engine_helpers import greedy, make_llm, prompts_of
+
+    llm = make_llm(tiny, num_blocks=64)
+    prompt = prompts_of([70], seed=21)[0]  # 4 full blocks + a partial one, shared by both sessions
+    llm.generate([prompt], greedy(4), session_ids=["a"])
+    llm.generate([prompt], greedy(4), session_ids=["b"])
+    pool = llm.core.kv.pool
+    distinct = sum(1 for b in pool.blocks if b.pin_cnt)
+    shared = sum(1 for b in pool.blocks if b.pin_cnt == 2)
+    assert shared >= 4  # the prompt's full blocks are pinned by both sessions
+    snap = llm.core.snapshot()
+    assert snap["sessions"]["pinned_blocks"] == distinct
+    m = EngineMetrics()
+    m.attach(lambda: snap)
+    assert scrape(m)[("streamkv_pinned_blocks", ())] == distinct
+    llm.core.check_invariants()

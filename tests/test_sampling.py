@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from streamkv.sampling import sample_batch, sample_token
@@ -51,3 +54,11 @@ def test_extreme_temperature_and_top_p_never_break_sampling():
         assert sample_token(logits, p, g) == argmax
     # a huge temperature is close to uniform but still a valid draw
     assert 0 <= sample_token(logits, SamplingParams(temperature=1e30), g) < 1000
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_values_are_refused(field: str, value: float) -> None:
+    # temperature=nan used to pass every range check and sample token 0 forever
+    with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+        SamplingParams(**{field: value})

@@ -189,7 +189,8 @@ function buildParams() {
     .filter((s) => s.length > 0);
   return {
     max_tokens: num(els.maxTokens, (s) => parseInt(s, 10), 256),
-    temperature: num(els.temperature, parseFloat, 0.7),
+    // greedy by default: the default 135M model rambles at 0.7, and answers well at 0
+    temperature: num(els.temperature, parseFloat, 0),
     top_p: num(els.topP, parseFloat, 1.0),
     top_k: num(els.topK, (s) => parseInt(s, 10), -1),
     seed: num(els.seed, (s) => parseInt(s, 10), null),

@@ -44,6 +44,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.counters = PoolCounters()
+        self.num_pinned_blocks = 0  # blocks with a pin, each counted once however many sessions pin it
         # one byte per block, kept current on every change: snapshots are a copy
         self.states = bytearray(num_blocks)
 
@@ -107,6 +108,7 @@ class BlockPool:
             if block.pin_cnt >= block.ref_cnt:
                 raise ValueError(f"pinning block {block.block_id} without a reference")
             block.pin_cnt += 1
+            self.num_pinned_blocks += block.pin_cnt == 1
             self._refresh(block)
 
     def unpin(self, blocks: Iterable[KVBlock]) -> None:
@@ -115,6 +117,7 @@ class BlockPool:
             if block.pin_cnt <= 0:
                 raise ValueError(f"block {block.block_id} is not pinned")
             block.pin_cnt -= 1
+            self.num_pinned_blocks -= block.pin_cnt == 0
             self._refresh(block)
 
     def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
@@ -173,6 +176,8 @@ class BlockPool:
             if expected_refs is not None:
                 want = expected_refs.get(block.block_id, 0)
                 assert block.ref_cnt == want, f"block {block.block_id}: ref_cnt {block.ref_cnt}, holders {want}"
+        num_pinned = sum(1 for b in self.blocks if b.pin_cnt)
+        assert self.num_pinned_blocks == num_pinned, f"pinned count {self.num_pinned_blocks} != {num_pinned}"
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, "cached map points to a block with another hash"
 

@@ -376,7 +376,7 @@ class KVCacheManager:
             block_size=self.block_size,
             states=bytes(self.pool.states),
             num_sessions=len(self.sessions),
-            num_pinned_blocks=self.num_pinned_blocks,
+            num_pinned_blocks=self.pool.num_pinned_blocks,  # distinct blocks: two pins may share one
             prefix_cache_queries=pc.prefix_cache_queries,
             prefix_cache_hits=pc.prefix_cache_hits,
             evictions=pc.evictions,

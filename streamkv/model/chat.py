@@ -17,12 +17,21 @@ tokens, so no BOS is ever added mid-conversation.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 from transformers import PreTrainedTokenizerBase
 
 # Contents of the reference conversation's earlier turns: any text the template
 # copies verbatim works; these never collide with template syntax.
 _USER = "\u2063streamkv-user\u2063"
 _ASSISTANT = "\u2063streamkv-assistant\u2063"
+# Placeholder for message content i; only ever rendered, never read from a message.
+_SLOT = re.compile("\u2063streamkv-slot-(\\d+)\u2063")
+
+
+def _slot(i: int) -> str:
+    return f"\u2063streamkv-slot-{i}\u2063"
 
 
 class ChatFormatter:
@@ -40,6 +49,14 @@ class ChatFormatter:
         if not tokenizer.chat_template:
             raise ValueError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
+        added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.content}
+        self._added_ids = added
+        # the template's own special tokens: matched in template text only, longest first
+        self._added_re = (
+            re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+            if added
+            else None
+        )
         self._special_prefix = _auto_special_prefix(tokenizer)
         before = self._render([_user(_USER), _assistant(_ASSISTANT)], add_generation_prompt=False)
         after = self._render([_user(_USER), _assistant(_ASSISTANT), _user(_USER)], add_generation_prompt=True)
@@ -58,9 +75,12 @@ class ChatFormatter:
         The special prefix (BOS) appears exactly once, whether the template
         writes it, the tokenizer adds it, or both would.
         """
-        messages = ([{"role": "system", "content": system}] if system is not None else []) + [_user(user)]
+        contents = [user] if system is None else [system, user]
+        messages = ([{"role": "system", "content": _slot(0)}] if system is not None else []) + [
+            _user(_slot(len(contents) - 1))
+        ]
         text = self._render(messages, add_generation_prompt=True)
-        ids = self._encode(text)
+        ids = self._encode_filled(text, contents)
         prefix = self._special_prefix
         if prefix and ids[: len(prefix)] != prefix:
             ids = prefix + ids
@@ -84,10 +104,10 @@ class ChatFormatter:
         closing = self._closing_after_eos if last_finished_on_eos else self._closing
         # The template renders the reference conversation's earlier turns identically
         # with and without the new turn, so the suffix is the new turn alone.
-        after = self._render([_user(_USER), _assistant(_ASSISTANT), _user(user)], add_generation_prompt=True)
+        after = self._render([_user(_USER), _assistant(_ASSISTANT), _user(_slot(0))], add_generation_prompt=True)
         if not after.startswith(self._reference):
             raise ValueError("the chat template renders earlier turns differently once a user turn follows")
-        return self._encode(closing + after[len(self._reference) :])
+        return self._encode_filled(closing + after[len(self._reference) :], [user])
 
     # --- internals ---------------------------------------------------------
 
@@ -96,8 +116,38 @@ class ChatFormatter:
         assert isinstance(text, str)
         return text
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def _encode_filled(self, template_text: str, contents: Sequence[str]) -> list[int]:
+        """Ids of ``template_text`` with slot i replaced by ``contents[i]``.
+
+        Added tokens are matched in the template's text only; the text between
+        them (template text and contents alike) is tokenized with special-token
+        matching off, which is what the tokenizer itself does to the text
+        between special tokens, so a content without special-token text gets
+        exactly the ids of the plain rendering.
+        """
+        ids: list[int] = []
+        run: list[str] = []
+
+        def flush() -> None:
+            text = "".join(run)
+            run.clear()
+            if text:
+                enc = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+                ids.extend(enc["input_ids"])
+
+        for k, part in enumerate(_SLOT.split(template_text)):
+            if k % 2:  # a slot index
+                run.append(contents[int(part)])
+                continue
+            pieces = self._added_re.split(part) if self._added_re is not None else [part]
+            for m, piece in enumerate(pieces):
+                if m % 2:
+                    flush()
+                    ids.append(self._added_ids[piece])
+                else:
+                    run.append(piece)
+        flush()
+        return ids
 
 
 def _user(content: str) -> dict[str, str]:

