@@ -72,15 +72,21 @@ class SchedulerDriver:
     # ---------------------------------------------------------------- requests
 
     def add(
-        self, request_id: str, prompt: list[int], max_tokens: int, session_id: str | None = None, eos_at: int | None = None
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        session_id: str | None = None,
+        eos_at: int | None = None,
+        n: int = 1,
     ) -> Request:
-        """Queue a request whose prompt + max_tokens fits the pool."""
+        """Queue a request whose prompt + max_tokens fits the pool; ``n`` samples fork after the prompt."""
         assert -(-(len(prompt) + max_tokens) // self.kv.block_size) <= self.num_blocks, "would never fit"
         req = _build(
             Request,
             request_id=request_id,
             prompt_token_ids=list(prompt),
-            params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            params=SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
             max_tokens=max_tokens,
             arrival_time=float(self.num_steps),
             order=next(self._order),
@@ -103,6 +109,27 @@ class SchedulerDriver:
         self.scheduler.add(seq)
         return req
 
+    def _fork(self, parent: Sequence) -> None:
+        """The engine's parallel sampling: at the first sample, n - 1 children share every block."""
+        req = parent.request
+        req.forked = True
+        for i in range(1, req.params.n):
+            child = _build(
+                Sequence,
+                seq_id=next(self._seq_ids),
+                request=req,
+                index=i,
+                token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens,
+                generator=None,
+                detokenizer=None,
+                num_computed_tokens=parent.num_computed_tokens,
+            )
+            req.seqs.append(child)
+            self.kv.fork(parent, child)
+            self.scheduler.add_running(child)
+            self._sample(child)
+
     def cancel(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -121,21 +148,14 @@ class SchedulerDriver:
         """One engine step: schedule, 'compute', update, sample, finish."""
         out: SchedulerOutput = self.scheduler.schedule()
         self.kv.check_invariants()
-        self.scheduler.update(out)
-        done = 0
-        for s in out.scheduled:
-            if not s.samples:
-                continue
+        sampling = self.scheduler.update(out)
+        num_before = len(self.finished)
+        for s in sampling:
             seq = s.seq
-            req = seq.request
-            seq.token_ids.append(fake_token(req.order, seq.num_tokens))
-            eos = self.eos_at[req.request_id]
-            if seq.num_output_tokens >= req.max_tokens or (eos is not None and seq.num_output_tokens >= eos):
-                self.scheduler.finish(seq, SeqStatus.FINISHED_LENGTH)
-                if req.finished:
-                    del self.requests[req.request_id]
-                    self.finished.append(req)
-                    done += 1
+            if seq.request.params.n > 1 and not seq.request.forked:
+                self._fork(seq)
+            self._sample(seq)
+        done = len(self.finished) - num_before
         self.kv.check_invariants()
         for req in self.requests.values():
             for seq in req.seqs:
@@ -144,6 +164,16 @@ class SchedulerDriver:
                     assert not self.kv.has_blocks(seq.seq_id), f"waiting seq {seq.seq_id} holds blocks"
         self.num_steps += 1
         return StepRecord(out.num_batched_tokens, done, out.num_preempted)
+
+    def _sample(self, seq: Sequence) -> None:
+        req = seq.request
+        seq.token_ids.append(fake_token(req.order * 16 + seq.index, seq.num_tokens))
+        eos = self.eos_at[req.request_id]
+        if seq.num_output_tokens >= req.max_tokens or (eos is not None and seq.num_output_tokens >= eos):
+            self.scheduler.finish(seq, SeqStatus.FINISHED_LENGTH)
+            if req.finished:
+                del self.requests[req.request_id]
+                self.finished.append(req)
 
     def run(self, max_steps: int) -> int:
         """Step until no work is left; fail after ``max_steps`` steps. Returns the steps taken."""
@@ -169,9 +199,9 @@ class SchedulerDriver:
         assert self.kv.host.num_used_blocks == 0
 
 
-def fake_token(request_order: int, position: int) -> int:
-    """The token the fake model samples at ``position`` of a request: fixed, so recompute agrees."""
-    return 1000 + (request_order * 7919 + position * 104729) % 30000
+def fake_token(stream: int, position: int) -> int:
+    """The token the fake model samples at ``position`` of one sample stream: fixed, so recompute agrees."""
+    return 1000 + (stream * 7919 + position * 104729) % 30000
 
 
 def tokens(n: int, seed: int) -> list[int]:
