@@ -29,6 +29,7 @@ from streamkv.sampling_params import SamplingParams
 from streamkv.sched.request import Request, Sequence, SeqStatus
 from streamkv.sched.scheduler import Scheduler
 from streamkv.stats import build_snapshot
+from streamkv.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.finished_reasons: dict[str, int] = defaultdict(int)
         self.num_steps = 0
+        self.watchdog = Watchdog()
         self._seq_ids = itertools.count()
         self._order = itertools.count()
         self._rng = torch.Generator()
@@ -234,6 +236,8 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
+            if self.scheduler.has_work():
+                self._observe_progress(0)
             return False
         logits = self.runner.execute(out)
         sampling = self.scheduler.update(out)
@@ -271,7 +275,14 @@ class EngineCore:
         self._gen_history.append((now, self.scheduler.counters.generation_tokens))
         if self.metrics is not None:
             self.metrics.observe_step(time.perf_counter() - t0, out.num_batched_tokens)
+        self._observe_progress(out.num_batched_tokens)
         return True
+
+    def _observe_progress(self, num_computed_tokens: int) -> None:
+        """Feed the watchdog (a stall is logged once and counted)."""
+        finished = sum(self.finished_reasons.values())
+        if self.watchdog.observe(num_computed_tokens, finished, self.scheduler.describe) and self.metrics is not None:
+            self.metrics.observe_stall()
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> CompletionDelta:
         req = seq.request

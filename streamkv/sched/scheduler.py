@@ -119,6 +119,22 @@ class Scheduler:
             self.kv.pin_session(session, seq)
         self.kv.free(seq.seq_id)
 
+    def describe(self) -> str:
+        """One line of queue and pool state, for logs (the watchdog's stall report)."""
+        head = self.waiting[0] if self.waiting else None
+        head_text = (
+            "none"
+            if head is None
+            else f"seq {head.seq_id} ({head.num_tokens} tokens, {head.num_computed_tokens} computed, "
+            f"{head.num_preemptions} preemptions)"
+        )
+        return (
+            f"running {len(self.running)}, waiting {len(self.waiting)}, swapped {len(self.swapped)}; "
+            f"free blocks {self.kv.pool.num_free_blocks}/{self.kv.pool.num_blocks}, "
+            f"reserved {self._num_reserved_blocks()}, pinned {self.kv.num_pinned_blocks} "
+            f"in {len(self.kv.sessions)} sessions; head of waiting: {head_text}"
+        )
+
     # ----------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
