@@ -42,11 +42,14 @@ Progress. With ``P = max_preemptions``:
   ``prompt + max_tokens`` fits the pool.
 - *Every step progresses*: with a running sequence, the first one in the
   order above either gets its tokens or preempts somebody (itself
-  included); with none running, the head of the queue is admitted. So each
-  step computes a token or preempts, preemptions are bounded, and every
-  request finishes within ``(P + 1) * sum(prompt + max_tokens) + P * n``
-  steps of ``n`` sequences that have arrived (the randomized driver in
-  ``tests/sched/test_random_scheduler.py`` asserts this bound).
+  included); with none running, the head of ``swapped`` is swapped in or
+  the head of ``waiting`` admitted with at least one token. So a step
+  computes a token or preempts, but for a step whose only work is a
+  swap-in, and the next step then does. Preemptions are at most ``P`` per
+  sequence and tokens computed at most ``(P + 1) * (prompt + max_tokens)``
+  per sequence, so ``n`` sequences finish within
+  ``2 * ((P + 1) * sum(prompt + max_tokens) + P * n) + 1`` steps with work
+  (``tests/sched/test_random_scheduler.py`` asserts each term).
 """
 
 from __future__ import annotations
