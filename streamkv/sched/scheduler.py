@@ -85,6 +85,8 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival
+        # the running ones preempted max_preemptions times (fixed while they run: only preemption counts)
+        self._protected_running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # sorted by arrival
         self.counters = SchedulerCounters()
 
@@ -98,6 +100,8 @@ class Scheduler:
         """Insert an already computed sequence (a fork child) into the running set."""
         seq.set_status(SeqStatus.RUNNING)
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
+        if self._protected(seq):
+            self._protected_running.append(seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -111,7 +115,7 @@ class Scheduler:
         if seq.status.finished:
             return
         if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
+            self._remove_running(seq)
         elif seq.status is SeqStatus.SWAPPED:
             self.swapped.remove(seq)
         else:
@@ -273,8 +277,8 @@ class Scheduler:
         """Free blocks the running protected sequences (but ``exclude``) may still need."""
         return sum(
             self.kv.num_missing_blocks(s, s.num_prompt_tokens + s.request.max_tokens)
-            for s in self.running
-            if s is not exclude and self._protected(s)
+            for s in self._protected_running
+            if s is not exclude
         )
 
     def _allocate(self, seq: Sequence, n: int, hits: list[KVBlock] | None = None) -> bool:
@@ -293,8 +297,14 @@ class Scheduler:
         """Re-prefilling after a preemption (its lost tokens are being recomputed)."""
         return seq.num_preemptions > 0 and seq.num_tokens - seq.num_computed_tokens > 1
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _remove_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if seq in self._protected_running:
+            self._protected_running.remove(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        assert not self._protected(seq), f"seq {seq.seq_id} is protected from preemption"
+        self._remove_running(seq)
         seq.num_preemptions += 1
         out.num_preempted += 1
         if self.config.preemption_mode == "swap" and seq.num_computed_tokens and self.kv.can_swap_out(seq.seq_id):
