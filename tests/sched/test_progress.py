@@ -147,3 +147,27 @@ def test_engine_next_turn_under_pressure_finishes_with_greedy_output(tiny, mode)
     assert got["turn-2"] == ref_turn_2
     core.release_session("s")
     assert_pool_whole(llm)
+
+
+def test_engine_resumed_request_keeps_greedy_output_and_the_bound(tiny):
+    """Item 2 end to end: no prefix caching, recompute, 8 blocks, budget 16 (the old scheduler
+    preempted one request 18 times); the answers equal solo runs."""
+    prompts = prompts_of([40, 40], seed=6)
+    ref = [o.outputs[0].token_ids for o in make_llm(tiny).generate(prompts, greedy(80))]
+    llm = make_llm(tiny, num_blocks=8, max_num_batched_tokens=16, enable_prefix_caching=False)
+    got: dict[str, list[int]] = {}
+    reqs = [llm.core.add_request(f"r{i}", p, greedy(80), _collect(got, f"r{i}")) for i, p in enumerate(prompts)]
+    _run_core(llm.core, 2000)
+    assert [got["r0"], got["r1"]] == ref
+    assert max(r.seqs[0].num_preemptions for r in reqs) <= MAX_PREEMPTIONS
+    c = llm.core.scheduler.counters
+    assert 0 < c.preemptions_recompute and c.computed_prompt_tokens <= (1 + MAX_PREEMPTIONS) * 80
+    assert_pool_whole(llm)
+
+
+def test_max_preemptions_must_allow_one_preemption():
+    from streamkv.config import SchedulerConfig
+
+    assert SchedulerConfig().max_preemptions == MAX_PREEMPTIONS
+    with pytest.raises(ValueError, match="max_preemptions must be at least 1"):
+        SchedulerConfig(max_preemptions=0)
