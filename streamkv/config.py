@@ -97,12 +97,16 @@ class SchedulerConfig:
         max_model_len: most tokens (prompt + output) of one sequence;
             ``None`` takes the model's own context length.
         preemption_mode: ``recompute`` or ``swap`` when the pool runs dry.
+        max_preemptions: most times one sequence is preempted (at least 1);
+            after that it is never a victim, and it is resumed only with room
+            to finish.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    max_preemptions: int = 2
 
     def __post_init__(self) -> None:
         try:
@@ -115,6 +119,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        if self.max_preemptions < 1:  # 0 would protect fork children from birth, unreserved
+            raise ValueError("max_preemptions must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -155,6 +155,11 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(AbortRequest(rid))
 
+    @property
+    def stalled(self) -> bool:
+        """The engine's watchdog sees steps without progress (``/healthz`` reports ``degraded``)."""
+        return self.core.watchdog.stalled
+
     def release_session(self, session_id: str) -> None:
         """Drop a session's pinned blocks (applied before the next step)."""
         self._commands.put(ReleaseSession(session_id))

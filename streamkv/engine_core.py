@@ -35,6 +35,7 @@ from streamkv.sampling_params import SamplingParams
 from streamkv.sched.request import Request, SeqStatus, Sequence
 from streamkv.sched.scheduler import Scheduler
 from streamkv.stats import EngineStats, snapshot_json
+from streamkv.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class EngineCore:
             self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler.finish, metrics, config.model.seed
         )
         self.num_steps = 0
+        self.watchdog = Watchdog()
         self._seq_ids = itertools.count()
         self._order = itertools.count()
         self.stats = self._build_stats()
@@ -197,6 +199,8 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
+            if self.scheduler.has_work():
+                self._observe_progress(0)
             return False
         logits = self.runner.execute(out)
         sampling = self.scheduler.update(out)
@@ -222,8 +226,15 @@ class EngineCore:
         self.num_steps += 1
         if self.metrics is not None:
             self.metrics.observe_step(time.perf_counter() - t0, out.num_batched_tokens)
+        self._observe_progress(out.num_batched_tokens)
         self.publish_stats()
         return True
+
+    def _observe_progress(self, num_computed_tokens: int) -> None:
+        """Feed the watchdog (a stall is logged once and counted)."""
+        finished = sum(self.outputs.finished.values())
+        if self.watchdog.observe(num_computed_tokens, finished, self.scheduler.describe) and self.metrics is not None:
+            self.metrics.observe_stall()
 
     # ------------------------------------------------------------------ stats
 

@@ -112,6 +112,11 @@ class EngineMetrics:
             buckets=LOOP_LAG_BUCKETS,
             registry=r,
         )
+        self.engine_stalls = Counter(
+            "streamkv_engine_stalls",
+            "Times the engine ran steps with work queued but no token computed and no request finished.",
+            registry=r,
+        )
         self.errors = Counter("streamkv_errors", "Error frames sent to clients, by code.", ["code"], registry=r)
         for code in KNOWN_ERROR_CODES:
             self.errors.labels(code=code)
@@ -160,6 +165,10 @@ class EngineMetrics:
             self.e2e_request_latency.labels(finished_reason=finish_reason).observe(max(e2e_s, 0.0))
         self.request_prompt_tokens.observe(max(prompt_tokens, 0))
         self.request_generation_tokens.observe(max(generation_tokens, 0))
+
+    def observe_stall(self) -> None:
+        """Count one stall declared by the engine's watchdog (see :mod:`streamkv.watchdog`)."""
+        self.engine_stalls.inc()
 
     def observe_loop_lag(self, lag_s: float) -> None:
         if _finite(lag_s):

@@ -120,12 +120,20 @@ class KVCacheManager:
         self.pool.counters.prefix_cache_queries += num_tokens
         self.pool.counters.prefix_cache_hits += num_hit_tokens
 
-    def allocate_slots(self, seq: CacheSeq, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
+    def allocate_slots(
+        self,
+        seq: CacheSeq,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVBlock] = (),
+        num_reserved_blocks: int = 0,
+    ) -> bool:
         """Give ``seq`` slots for ``num_new_tokens`` tokens after its computed ones.
 
         ``computed_blocks`` (prefix hits of a sequence holding no blocks yet)
         are referenced first and count as computed: the caller then adds
         ``len(computed_blocks) * block_size`` to ``num_computed_tokens``.
+        ``num_reserved_blocks`` free blocks must stay free afterwards (the
+        scheduler's reservations for other sequences).
         All or nothing: returns ``False`` and changes nothing when the pool
         cannot provide the blocks (the scheduler then preempts).
         """
@@ -140,7 +148,7 @@ class KVCacheManager:
         write_idx = num_computed // bs
         cow = write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1 and num_new_tokens > 0
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + int(cow) + revived > self.pool.num_free_blocks:
+        if num_new_blocks + int(cow) + revived > self.pool.num_free_blocks - num_reserved_blocks:
             return False
         if computed_blocks:
             self.pool.touch(computed_blocks)
@@ -151,6 +159,19 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(num_new_blocks))
         self.seq_blocks[seq.seq_id] = blocks
         return True
+
+    def num_missing_blocks(self, seq: CacheSeq, num_tokens: int) -> int:
+        """Free blocks ``seq`` still needs to hold ``num_tokens`` tokens.
+
+        Counts the blocks it lacks, plus one when the block it writes next is
+        shared (copy-on-write takes a fresh block for it).
+        """
+        blocks = self.seq_blocks.get(seq.seq_id, [])
+        missing = max(0, cdiv(num_tokens, self.block_size) - len(blocks))
+        write_idx = seq.num_computed_tokens // self.block_size
+        if write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1:
+            missing += 1
+        return missing
 
     def commit(self, seq: CacheSeq) -> None:
         """Register the sequence's newly completed full blocks in the prefix cache."""
@@ -355,13 +376,18 @@ class KVCacheManager:
         """Device blocks that can be allocated now (free, cached ones included)."""
         return self.pool.num_free_blocks
 
-    def can_swap_in(self, seq_id: int, num_extra_blocks: int = 0) -> bool:
-        """Room on the device for a swapped sequence's blocks plus ``num_extra_blocks``.
+    @property
+    def num_blocks(self) -> int:
+        """Device blocks in the pool."""
+        return len(self.pool.blocks)
+
+    def num_swapped_blocks(self, seq_id: int) -> int:
+        """Blocks a swapped-out sequence holds on the host tier.
 
         Raises:
             KeyError: ``seq_id`` is not swapped out.
         """
-        return len(self.swapped[seq_id]) + num_extra_blocks <= self.pool.num_free_blocks
+        return len(self.swapped[seq_id])
 
     def stats(self) -> KVCacheStats:
         """A copy of the cache's state for the stats snapshot; call it on the owning thread.

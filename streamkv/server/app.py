@@ -4,7 +4,7 @@ Routes::
 
     GET /            web/index.html (the chat + block map UI)
     GET /static/...  files under web/
-    GET /healthz     {"status": "ok", "model": ..., "max_model_len": ...}
+    GET /healthz     {"status": "ok"|"degraded"|"error", "model": ..., "max_model_len": ...}
     GET /metrics     Prometheus text format
     GET /api/stats   engine.snapshot() as JSON (?session_id= limits session_blocks)
     WS  /ws/chat     chat sessions (chat_ws.py)
@@ -95,12 +95,14 @@ def create_app(
 
     async def healthz(request: Request) -> Response:
         failed = engine.error is not None  # the engine thread died: not healthy
+        stalled = engine.stalled  # steps run, nothing progresses
         body = {
-            "status": "error" if failed else "ok",
+            "status": "error" if failed else "degraded" if stalled else "ok",
             "model": engine.model_name,
             "max_model_len": engine.max_model_len,
         }
-        return Response(orjson.dumps(body), status_code=503 if failed else 200, media_type="application/json")
+        code = 503 if failed or stalled else 200
+        return Response(orjson.dumps(body), status_code=code, media_type="application/json")
 
     async def metrics_route(request: Request) -> Response:
         body, content_type = await asyncio.to_thread(metrics.render)

@@ -37,6 +37,11 @@ class ServingEngine(Protocol):
         ...
 
     @property
+    def stalled(self) -> bool:
+        """The watchdog saw steps run without progress (then ``/healthz`` says ``degraded``)."""
+        ...
+
+    @property
     def max_model_len(self) -> int: ...
 
     @property

@@ -84,6 +84,7 @@ class FakeEngine:
         self.tokenizer = None
         self.model_name = "fake-model"
         self.error: BaseException | None = None
+        self.stalled = False
         self.chat = FakeChat()
         self.max_model_len = max_model_len
         self.eos_token_ids: tuple[int, ...] = (EOS,)
