@@ -24,7 +24,7 @@ from streamkv.metrics_hooks import MetricsHooks
 from streamkv.model.loader import LoadedModel, load_model
 from streamkv.outputs import CompletionDelta, RequestOutput, Usage
 from streamkv.runner import ModelRunner, kv_bytes_per_block
-from streamkv.sampling import sample_batch
+from streamkv.sampling import apply_min_tokens, compute_logprobs, sample_batch
 from streamkv.sampling_params import SamplingParams
 from streamkv.sched.request import Request, Sequence, SeqStatus
 from streamkv.sched.scheduler import Scheduler
@@ -256,13 +256,14 @@ class EngineCore:
             row_ids = [r for _, r in rows]
             if row_ids != list(range(logits.shape[0])):  # forks sample the same row several times
                 logits = logits[torch.tensor(row_ids, device=logits.device)]
-            tokens = sample_batch(
-                logits,
-                [seq.request.params for seq, _ in rows],
-                [seq.generator for seq, _ in rows],
-            )
-            for (seq, _), token in zip(rows, tokens):
+            row_params = [seq.request.params for seq, _ in rows]
+            # OpenAI API (#11): min_tokens masks EOS/stop ids; logprobs only for rows that ask.
+            masked = apply_min_tokens(logits, row_params, [seq.num_output_tokens for seq, _ in rows], self.eos_token_ids)
+            tokens = sample_batch(masked, row_params, [seq.generator for seq, _ in rows])
+            logprobs = compute_logprobs(logits, tokens, row_params)
+            for (seq, _), token, lp in zip(rows, tokens, logprobs):
                 delta = self._append_token(seq, token, now)
+                delta.logprobs = lp  # (#11)
                 deltas[seq.request].append(delta)
         for req, ds in deltas.items():
             self._emit(req, ds)
