@@ -128,14 +128,27 @@ class ServerConfig:
         host: bind address (loopback by default).
         port: TCP port.
         stats_interval: seconds between ``/ws/stats`` snapshots.
+        served_model_name: the model ``id`` of the OpenAI API; ``None``: the model's name.
+        api_key: when set, every route but ``/healthz``, ``/metrics`` and the
+            web page's files needs ``Authorization: Bearer <api_key>``.
+        max_body_bytes: largest HTTP request body the OpenAI API reads (413 above).
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     stats_interval: float = 0.25
+    served_model_name: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    max_body_bytes: int = 8 * MiB
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, not {self.port}")
         if self.stats_interval <= 0:
             raise ValueError("stats_interval must be positive")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit it to serve without a key)")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be at least 1")

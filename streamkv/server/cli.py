@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -93,6 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between /ws/stats snapshots",
     )
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    serve.add_argument(
+        "--served-model-name", default=None, help="model id of the OpenAI API (default: the model's name)"
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize, /api/stats and the "
+        "WebSockets (default: $STREAMKV_API_KEY, else no key)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=parse_bytes,
+        default=ServerConfig().max_body_bytes,
+        help="largest HTTP request body (413 above)",
+    )
     serve.set_defaults(subparser=serve)
 
     serve.add_argument(
@@ -143,7 +159,15 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
             preemption_mode=args.preemption_mode,
         ),
     )
-    server = ServerConfig(host=args.host, port=args.port, stats_interval=args.stats_interval)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("STREAMKV_API_KEY") or None
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        stats_interval=args.stats_interval,
+        served_model_name=args.served_model_name,
+        api_key=api_key,
+        max_body_bytes=args.max_body_bytes,
+    )
     return engine, server
 
 

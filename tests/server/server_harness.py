@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ def make_server(
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     base = server_config or ServerConfig(stats_interval=0.05)
-    config = ServerConfig(host="127.0.0.1", port=port, stats_interval=base.stats_interval)
+    config = replace(base, host="127.0.0.1", port=port)
     metrics = metrics or EngineMetrics()
     app = create_app(engine, config, metrics, web_dir=web_dir)
     server = uvicorn.Server(
