@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from streamkv.errors import EngineError
-from streamkv.server.openai.errors import APIError, from_engine, invalid
+from streamkv.server.openai.errors import APIError, from_engine, from_params, invalid
 from streamkv.server.openai.generation import (
     Admitted,
     ClientGone,
@@ -63,7 +63,7 @@ def chat_endpoint(serving: OpenAIServing) -> Callable[[Request], Awaitable[Respo
                     default_max_tokens=None, default_temperature=DEFAULT_TEMPERATURE, logprobs=logprobs
                 )
             except ValueError as e:
-                raise invalid(str(e).split(" ", 1)[0], str(e)) from None
+                raise from_params(e) from None
             ids = await conversation_ids(serving, req.messages)
             serving.check_context_length(len(ids), params.max_tokens, "messages")
             runs = await admit(serving.engine, [ids], params)

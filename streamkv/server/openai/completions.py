@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from streamkv.errors import EngineError
 from streamkv.outputs import Usage
-from streamkv.server.openai.errors import APIError, from_engine, invalid
+from streamkv.server.openai.errors import APIError, from_engine, from_params, invalid
 from streamkv.server.openai.generation import (
     Admitted,
     ClientGone,
@@ -50,7 +50,7 @@ def completions_endpoint(serving: OpenAIServing) -> Callable[[Request], Awaitabl
                     default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=DEFAULT_TEMPERATURE, logprobs=req.logprobs
                 )
             except ValueError as e:
-                raise invalid(str(e).split(" ", 1)[0], str(e)) from None
+                raise from_params(e) from None
             prompts = req.prompts()
             encoded = iter(await serving.encode([p for p in prompts if isinstance(p, str)]))
             ids = [next(encoded) if isinstance(p, str) else p for p in prompts]

@@ -97,6 +97,12 @@ def invalid(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", "invalid_value", param)
 
 
+def from_params(exc: ValueError) -> APIError:
+    """SamplingParams' refusal; its message starts with the field's name."""
+    message = str(exc)
+    return APIError(400, message, "invalid_value", message.split(" ", 1)[0])
+
+
 def _is_type_tag(part: str) -> bool:
     return part in {"str", "int", "float", "bool", "list[str]", "list[int]", "list[list[int]]", "dict[str,any]"} or (
         part.startswith(("list[", "function-", "constrained-", "Annotated"))

@@ -16,13 +16,15 @@ NUM_BLOCKS = 64
 API_KEY = "sk-test-streamkv"
 
 
-def build_engine(tiny_model_dir: str, tiny: LoadedModel) -> tuple[Any, EngineMetrics]:
+def build_engine(
+    tiny_model_dir: str, tiny: LoadedModel, *, max_model_len: int = MAX_MODEL_LEN, num_blocks: int = NUM_BLOCKS
+) -> tuple[Any, EngineMetrics]:
     from streamkv.engine import AsyncEngine
 
     config = EngineConfig(
         model=ModelConfig(model=tiny_model_dir, device="cpu", seed=0),
-        cache=CacheConfig(num_blocks=NUM_BLOCKS, session_ttl=30.0),
-        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN),
+        cache=CacheConfig(num_blocks=num_blocks, session_ttl=30.0),
+        scheduler=SchedulerConfig(max_model_len=max_model_len),
     )
     metrics = EngineMetrics()
     return AsyncEngine(config, metrics, loaded=tiny), metrics
