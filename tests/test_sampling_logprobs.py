@@ -40,8 +40,12 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "says"),
-    [({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-     ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs")],  # fmt: skip
+    [
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
 )
 def test_sampling_params_refuse_bad_values(kwargs: dict[str, int], says: str) -> None:
     with pytest.raises(ValueError, match=says):

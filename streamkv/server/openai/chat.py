@@ -45,7 +45,7 @@ async def conversation_ids(serving: OpenAIServing, req_messages: list[Any]) -> l
     messages = [m.as_template_message() for m in req_messages]
     try:
         return await asyncio.to_thread(serving.engine.chat.conversation, messages)
-    except Exception as e:  # a template that raises (e.g. on a role order it does not allow)
+    except Exception as e:  # noqa: BLE001 - a template that raises (e.g. on a role order it does not allow)
         raise APIError(400, f"messages: the chat template refused them: {e}", "invalid_value", "messages") from None
 
 

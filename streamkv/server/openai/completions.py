@@ -47,7 +47,9 @@ def completions_endpoint(serving: OpenAIServing) -> Callable[[Request], Awaitabl
                 raise invalid("echo", "echo together with logprobs is not supported (prompt logprobs are not computed)")
             try:
                 params = req.sampling_params(
-                    default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=DEFAULT_TEMPERATURE, logprobs=req.logprobs
+                    default_max_tokens=DEFAULT_MAX_TOKENS,
+                    default_temperature=DEFAULT_TEMPERATURE,
+                    logprobs=req.logprobs,
                 )
             except ValueError as e:
                 raise from_params(e) from None

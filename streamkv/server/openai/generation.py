@@ -94,7 +94,7 @@ async def merged(runs: list[Admitted]) -> AsyncIterator[tuple[int, RequestOutput
         try:
             async for out in run:
                 queue.put_nowait((i, out))
-        except Exception as e:  # handed to the consumer, which raises it
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
             queue.put_nowait((i, e))
         finally:
             queue.put_nowait((i, None))

@@ -139,7 +139,12 @@ class OpenAIServing:
 
     def envelope(self, prefix: str, obj: str) -> dict[str, Any]:
         """The fields every response object starts with."""
-        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()), "model": self.model_id}
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model_id,
+        }
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.max_body_bytes
@@ -172,5 +177,5 @@ async def _drain(stream: AsyncIterator[bytes]) -> None:
                 drained += len(chunk)
                 if drained > _DRAIN_LIMIT_BYTES:
                     return
-    except Exception:  # the client went away or stalls (TimeoutError): the 413 is all it gets
+    except Exception:  # noqa: BLE001 - the client went away or stalls (TimeoutError): the 413 is all it gets
         return

@@ -73,7 +73,9 @@ def test_greedy_chat_equals_ws_chat_and_offline(client: openai.OpenAI, api_serve
     assert resp.usage.total_tokens == len(prompt_ids) + len(truth.outputs[0].token_ids)
 
     # Text parts are the same message; /tokenize renders exactly the prompt the chat route sends.
-    parts = [{"role": "user", "content": [{"type": "text", "text": QUESTION[:10]}, {"type": "text", "text": QUESTION[10:]}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": QUESTION[:10]}, {"type": "text", "text": QUESTION[10:]}]}
+    ]
     again = client.chat.completions.create(model="tiny", messages=parts, max_tokens=12, temperature=0)  # type: ignore[arg-type]
     assert again.choices[0].message.content == truth.outputs[0].text
     tokenized = post_json(api_server, "/tokenize", {"messages": messages}).json()
@@ -187,14 +189,20 @@ def test_min_tokens_holds_off_stop_ids_and_echo_prepends_the_prompt(
     token = post_json(api_server, "/tokenize", body).json()["tokens"]
     assert len(token) == 1
     stop = {"stop_token_ids": token}
-    stopped = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0, extra_body=stop)
+    stopped = client.completions.create(
+        model="tiny", prompt="Hello there", max_tokens=6, temperature=0, extra_body=stop
+    )
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1  # type: ignore[union-attr]
     held = client.completions.create(
         model="tiny", prompt="Hello there", max_tokens=6, temperature=0, extra_body={**stop, "min_tokens": 4}
     )
     assert held.usage is not None and held.usage.completion_tokens >= 4
     ignored = client.completions.create(
-        model="tiny", prompt="Hello there", max_tokens=6, temperature=0, extra_body={"ignore_eos": True, "min_tokens": 6}
+        model="tiny",
+        prompt="Hello there",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "min_tokens": 6},
     )
     assert ignored.usage is not None and ignored.usage.completion_tokens == 6
     echoed = client.completions.create(model="tiny", prompt="Hello there", max_tokens=3, temperature=0, echo=True)
@@ -219,7 +227,11 @@ def test_stop_strings_and_multibyte_text_match_ws_chat(client: openai.OpenAI, ap
     # A stop string across a token boundary: two tokens' worth of text from the middle of the answer.
     tokenizer = api_server.engine.tokenizer
     pieces = [tokenizer.decode(free.token_ids[0][: k + 1]) for k in range(len(free.token_ids[0]))]
-    k = next(k for k in range(8, len(pieces) - 2) if "\ufffd" not in pieces[k + 1] and len(pieces[k]) > len(pieces[k - 1]) + 1)
+    k = next(
+        k
+        for k in range(8, len(pieces) - 2)
+        if "\ufffd" not in pieces[k + 1] and len(pieces[k]) > len(pieces[k - 1]) + 1
+    )
     boundary = len(pieces[k])
     stop = text[boundary - 2 : boundary + 2]
     assert stop and stop not in text[: boundary - 2]

@@ -58,7 +58,13 @@ def nothing_leaks(api_server: RunningServer) -> Iterator[None]:
         ({"prompt": [5, 10**9]}, 400, "invalid_value", "prompt", "vocabulary"),
         ({"prompt": "x", "frequency_penalty": 0.5}, 400, "invalid_value", "frequency_penalty", "0"),
         ({"prompt": "x", "logprobs": 2, "echo": True}, 400, "invalid_value", "echo", "not supported"),
-        ({"prompt": "x" * 3000}, 400, "context_length_exceeded", "prompt", f"maximum context length is {MAX_MODEL_LEN}"),
+        (
+            {"prompt": "x" * 3000},
+            400,
+            "context_length_exceeded",
+            "prompt",
+            f"maximum context length is {MAX_MODEL_LEN}",
+        ),
         ({"max_tokens": 4}, 400, "invalid_value", "prompt", "required"),
     ],
 )
@@ -87,7 +93,9 @@ def test_context_length_message_states_limit_and_lengths(api_server: RunningServ
     )
     long_chat = {"messages": [{"role": "user", "content": "hello " * 400}]}
     error = assert_error(post_json(api_server, "/v1/chat/completions", long_chat), 400, "context_length_exceeded")
-    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"] and "input tokens" in error["message"]
+    assert (
+        f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"] and "input tokens" in error["message"]
+    )
     still_serves(api_server)
 
 
@@ -105,7 +113,10 @@ def test_bad_chat_messages(api_server: RunningServer) -> None:
     cases = [
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content.0.type"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content.0.type",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}, "max_completion_tokens"),
     ]
