@@ -83,7 +83,8 @@ def from_validation(exc: ValidationError) -> APIError:
         return APIError(400, "the body must be a JSON object", "invalid_json")
     value = err.get("input")
     shown = "" if err["type"] == "missing" else f" (got {_short(value)})"
-    return APIError(400, f"{path}: {err['msg']}{shown}" if path else err["msg"], "invalid_value", path)
+    msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+    return APIError(400, f"{path}: {msg}{shown}" if path else msg, "invalid_value", path)
 
 
 def from_engine(exc: EngineError) -> APIError:
