@@ -89,9 +89,10 @@ def from_validation(exc: ValidationError) -> APIError:
 
 def from_engine(exc: EngineError) -> APIError:
     """An engine refusal: 503 when the engine is down, else 400 with the engine's code."""
-    if exc.code in _UNAVAILABLE:
+    code = str(getattr(exc.code, "value", exc.code))  # a plain str or a str enum
+    if code in _UNAVAILABLE:
         return APIError(503, exc.message, "engine_stopped")
-    return APIError(400, exc.message, exc.code)
+    return APIError(400, exc.message, code)
 
 
 def invalid(param: str, message: str) -> APIError:

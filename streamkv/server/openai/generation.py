@@ -183,9 +183,10 @@ async def collect(runs: list[Admitted], n: int) -> list[Collected]:
 
 def finish_reason(engine_reason: str | None) -> str | None:
     """OpenAI's vocabulary: ``stop``, ``length``; a request aborted by the server is ``abort`` (vLLM's)."""
-    if engine_reason == "cancelled":
-        return "abort"
-    return engine_reason
+    if engine_reason is None:
+        return None
+    reason = str(getattr(engine_reason, "value", engine_reason))  # a plain str or a str enum
+    return "abort" if reason == "cancelled" else reason
 
 
 def usage_body(usages: list[Usage | None]) -> dict[str, object]:

@@ -188,3 +188,32 @@ def test_api_key_guards_both_websockets(keyed_server: RunningServer) -> None:
     with connect_chat(keyed_server, f"/ws/chat?api_key={API_KEY}") as ws:
         send_json(ws, {"type": "reset"})
         assert recv_json(ws)["type"] == "reset"
+
+
+def test_engine_down_is_503(api_server: RunningServer) -> None:
+    engine = api_server.engine
+    engine.error = RuntimeError("engine thread crashed (simulated)")
+    try:
+        for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):  # fmt: skip
+            assert_error(post_json(api_server, path, body), 503, "engine_stopped")
+        assert api_server.get("/healthz").status_code == 503
+    finally:
+        engine.error = None
+    still_serves(api_server)
+
+
+def test_engine_refusals_map_to_statuses_whatever_the_code_type() -> None:
+    """The engine's codes may be plain strings or str enums (the engine branch makes them enums)."""
+    import enum
+
+    from streamkv.errors import EngineError
+    from streamkv.server.openai.errors import from_engine
+
+    class Code(str, enum.Enum):
+        ENGINE_STOPPED = "engine_stopped"
+        EXCEEDS_POOL = "exceeds_pool"
+
+    assert from_engine(EngineError(Code.ENGINE_STOPPED, "down")).status == 503
+    assert from_engine(EngineError("engine_error", "crashed")).status == 503
+    refusal = from_engine(EngineError(Code.EXCEEDS_POOL, "too big"))
+    assert (refusal.status, refusal.code, refusal.body()["type"]) == (400, "exceeds_pool", "invalid_request_error")
