@@ -95,13 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     serve.add_argument(
-        "--served-model-name", default=None, help="model id of the OpenAI API (default: the model's name)"
+        "--served-model-name", default=None, help="model id of the OpenAI API (unset: the model's name)"
     )
     serve.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize, /api/stats and the "
-        "WebSockets (default: $STREAMKV_API_KEY, else no key)",
+        "WebSockets (unset: $STREAMKV_API_KEY, else no key)",
     )
     serve.add_argument(
         "--max-body-bytes",
