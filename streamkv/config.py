@@ -148,6 +148,10 @@ class ServerConfig:
         idle_timeout: seconds a chat socket may stay silent with no turn in flight.
         max_stop_strings: most stop strings per request.
         max_stop_string_length: most characters of one stop string.
+        served_model_name: the model ``id`` of the OpenAI API; ``None``: the model's name.
+        api_key: when set, every route but ``/healthz``, ``/metrics`` and the
+            web page's files needs ``Authorization: Bearer <api_key>``.
+        max_body_bytes: largest HTTP request body the OpenAI API reads (413 above).
     """
 
     host: str = "127.0.0.1"
@@ -159,6 +163,9 @@ class ServerConfig:
     idle_timeout: float = 600.0
     max_stop_strings: int = 16
     max_stop_string_length: int = 1024
+    served_model_name: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    max_body_bytes: int = 8 * MiB
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -175,3 +182,9 @@ class ServerConfig:
             raise ValueError("max_stop_strings must be >= 0")
         if self.max_stop_string_length < 1:
             raise ValueError("max_stop_string_length must be at least 1")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit it to serve without a key)")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be at least 1")

@@ -22,7 +22,7 @@ from streamkv.errors import EngineError, ErrorCode
 from streamkv.metrics_hooks import MetricsHooks
 from streamkv.model.loader import LoadedModel, load_model
 from streamkv.output_processor import OutputProcessor
-from streamkv.outputs import RequestSink
+from streamkv.outputs import RequestSink, TokenLogprob
 from streamkv.runner import (
     ModelRunner,
     kv_bytes_per_block,
@@ -30,7 +30,7 @@ from streamkv.runner import (
     profile_kv_budget,
     resolve_device,
 )
-from streamkv.sampling import sample_batch
+from streamkv.sampling import apply_min_tokens, compute_logprobs, sample_batch
 from streamkv.sampling_params import SamplingParams
 from streamkv.sched.request import Request, SeqStatus, Sequence
 from streamkv.sched.scheduler import Scheduler
@@ -217,12 +217,16 @@ class EngineCore:
             seqs.append(s.seq)
             row_ids.append(row)
         tokens: list[int] = []
+        logprobs: list[list[TokenLogprob] | None] | None = None
         if seqs:
             if row_ids != list(range(logits.shape[0])):  # forks sample the same row several times
                 logits = logits[torch.tensor(row_ids, device=logits.device)]
             params = [seq.request.params for seq in seqs]
-            tokens = sample_batch(logits, params, self.outputs.generators(seqs))
-        self.outputs.process(seqs, tokens, time.monotonic())
+            # min_tokens masks EOS and stop ids; logprobs only for the rows that ask (OpenAI API)
+            masked = apply_min_tokens(logits, params, [seq.num_output_tokens for seq in seqs], self.eos_token_ids)
+            tokens = sample_batch(masked, params, self.outputs.generators(seqs))
+            logprobs = compute_logprobs(logits, tokens, params)
+        self.outputs.process(seqs, tokens, time.monotonic(), logprobs)
         self.num_steps += 1
         if self.metrics is not None:
             self.metrics.observe_step(time.perf_counter() - t0, out.num_batched_tokens)

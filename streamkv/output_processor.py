@@ -141,11 +141,23 @@ class OutputProcessor:
 
     # ---------------------------------------------------------------- step
 
-    def process(self, seqs: Seq[Sequence], tokens: Seq[int], now: float) -> None:
-        """Append ``tokens[i]`` to ``seqs[i]``, end samples that stop, emit one output per request."""
+    def process(
+        self,
+        seqs: Seq[Sequence],
+        tokens: Seq[int],
+        now: float,
+        logprobs: Seq[list[TokenLogprob] | None] | None = None,
+    ) -> None:
+        """Append ``tokens[i]`` to ``seqs[i]``, end samples that stop, emit one output per request.
+
+        ``logprobs[i]``, when given, rides on ``seqs[i]``'s delta (``None`` for rows that did not ask).
+        """
         deltas: dict[str, list[CompletionDelta]] = {}
-        for seq, token in zip(seqs, tokens):
-            deltas.setdefault(seq.request.request_id, []).append(self._append_token(seq, token, now))
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            delta = self._append_token(seq, token, now)
+            if logprobs is not None:
+                delta.logprobs = logprobs[i]
+            deltas.setdefault(seq.request.request_id, []).append(delta)
         self.generation_tokens += len(seqs)
         self._history.append((now, self.generation_tokens))
         for rid, ds in deltas.items():

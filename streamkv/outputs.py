@@ -27,6 +27,21 @@ class Usage:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of one sampled token (natural log, the model's raw distribution).
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its log-probability.
+        top: the ``SamplingParams.logprobs`` likeliest tokens as ``(token_id, logprob)``, likeliest first.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
 class CompletionDelta:
     """New output of one sample since the previous delta.
 
@@ -39,6 +54,7 @@ class CompletionDelta:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs is set
 
 
 @dataclass(slots=True)

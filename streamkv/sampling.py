@@ -8,8 +8,11 @@ not in the step).
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+
 import torch
 
+from streamkv.outputs import TokenLogprob
 from streamkv.sampling_params import SamplingParams
 
 
@@ -57,4 +60,67 @@ def sample_batch(
     for i, p in enumerate(params):
         if not p.greedy:
             out[i] = sample_token(logits[i], p, generators[i])
+    return out
+
+
+def apply_min_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    num_output_tokens: Sequence[int],
+    eos_token_ids: Collection[int],
+) -> torch.Tensor:
+    """Forbid EOS and ``stop_token_ids`` in rows that have not reached ``min_tokens`` yet.
+
+    Args:
+        logits: float32 ``[N, vocab]``, one row per sampling sequence.
+        params: each row's sampling parameters.
+        num_output_tokens: tokens each row's sequence has generated so far.
+        eos_token_ids: the model's EOS ids (not forbidden when ``ignore_eos``).
+
+    Returns:
+        ``logits`` itself when no row is below its ``min_tokens`` (no copy),
+        else a copy with the forbidden ids at ``-inf``.
+    """
+    banned = [
+        (i, [*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids])
+        for i, (p, num) in enumerate(zip(params, num_output_tokens))
+        if num < p.min_tokens
+    ]
+    banned = [(i, ids) for i, ids in banned if ids]
+    if not banned:
+        return logits
+    logits = logits.clone()
+    for i, ids in banned:
+        logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+    return logits
+
+
+def compute_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], params: Sequence[SamplingParams]
+) -> list[list[TokenLogprob] | None]:
+    """Log-probabilities of the sampled tokens, for the rows whose ``params.logprobs`` is set.
+
+    Args:
+        logits: float32 ``[N, vocab]``, the raw logits the tokens were sampled from.
+        tokens: the ``N`` sampled token ids.
+        params: each row's sampling parameters.
+
+    Returns:
+        Per row ``None`` (not asked: nothing is computed) or a one-element
+        list holding the token's :class:`TokenLogprob` (natural log of the
+        softmax of the raw logits, before temperature and truncation).
+    """
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[list[TokenLogprob] | None] = [None] * len(params)
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logits.device)).squeeze(1).tolist()
+    k = max(params[i].logprobs or 0 for i in rows)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = params[i].logprobs or 0
+        out[i] = [TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])))]
     return out

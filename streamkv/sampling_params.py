@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs, OpenAI's top_logprobs cap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,12 @@ class SamplingParams:
         stop: strings that end generation; the stop string is not returned.
         stop_token_ids: extra token ids that end generation.
         ignore_eos: keep generating past EOS (benchmarks).
+        min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this
+            many new tokens (vLLM's extension; stop strings still apply).
+        logprobs: ``None`` returns no logprobs; ``k`` in 0..20 returns each
+            sampled token's log-probability and the ``k`` likeliest
+            alternatives (natural log, of the model's raw distribution,
+            before temperature, top-k and top-p, as vLLM reports them).
 
     Raises:
         ValueError: on out-of-range or non-finite (NaN, inf) values (the
@@ -38,6 +45,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +68,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be None (all) or >= 1, got {self.top_k}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

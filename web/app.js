@@ -40,6 +40,72 @@ const state = {
   reconnectTimer: null,
 };
 
+// --------------------------------------------------------------- API key --
+// With --api-key the server closes /ws/* with 1008 and answers /api/stats
+// with 401. Ask once per refusal, keep the key in sessionStorage for this
+// tab, and add it to every same-origin WebSocket (?api_key=, browsers cannot
+// set headers there) and fetch (Authorization header). Patched here, before
+// blockmap.js runs (module scripts run in document order), so its /ws/stats
+// socket and /api/stats polls carry the key too; the reconnect loops retry.
+
+const KEY_STORE = "streamkv.apiKey";
+let keyDeclined = false;
+
+function storedKey() {
+  return sessionStorage.getItem(KEY_STORE);
+}
+
+function keyRefused(usedKey) {
+  if (keyDeclined || storedKey() !== usedKey) return; // declined, or a new key is already in
+  const key = window.prompt("This server needs an API key (kept for this tab only):");
+  if (key && key.trim()) {
+    sessionStorage.setItem(KEY_STORE, key.trim());
+  } else {
+    sessionStorage.removeItem(KEY_STORE);
+    keyDeclined = true;
+  }
+}
+
+function isSameOrigin(url) {
+  try {
+    return new URL(url, location.href).host === location.host;
+  } catch {
+    return false;
+  }
+}
+
+const NativeWebSocket = window.WebSocket;
+window.WebSocket = class extends NativeWebSocket {
+  constructor(url, protocols) {
+    const key = storedKey();
+    let target = url;
+    if (key && isSameOrigin(url)) {
+      const u = new URL(url, location.href);
+      u.searchParams.set("api_key", key);
+      target = u.toString();
+    }
+    super(target, protocols);
+    this.addEventListener("close", (ev) => {
+      if (ev.code === 1008) keyRefused(key);
+    });
+  }
+};
+
+const nativeFetch = window.fetch.bind(window);
+window.fetch = async (input, init = {}) => {
+  const url = input instanceof Request ? input.url : String(input);
+  const key = storedKey();
+  if (!isSameOrigin(url)) return nativeFetch(input, init);
+  if (key) {
+    const headers = new Headers(init.headers || (input instanceof Request ? input.headers : undefined));
+    headers.set("Authorization", `Bearer ${key}`);
+    init = { ...init, headers };
+  }
+  const res = await nativeFetch(input, init);
+  if (res.status === 401) keyRefused(key);
+  return res;
+};
+
 // ---------------------------------------------------------------- socket --
 
 function wsUrl(path) {

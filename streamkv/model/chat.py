@@ -86,6 +86,17 @@ class ChatFormatter:
             ids = prefix + ids
         return ids
 
+    def conversation(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt ids of a whole conversation (``{"role", "content"}`` dicts), generation prompt included.
+
+        The OpenAI API's messages; ``[system?, user]`` gives exactly :meth:`first_turn`'s ids.
+        """
+        ids = self._encode(self._render(messages, add_generation_prompt=True))
+        prefix = self._special_prefix
+        if prefix and ids[: len(prefix)] != prefix:
+            ids = prefix + ids
+        return ids
+
     def next_turn(self, user: str, last_finished_on_eos: bool) -> list[int]:
         """Ids to append to ``previous prompt ids + generated ids`` for a new user turn.
 

@@ -9,6 +9,10 @@ Routes::
     GET /api/stats   engine.snapshot() as JSON (?session_id= limits session_blocks)
     WS  /ws/chat     chat sessions (chat_ws.py)
     WS  /ws/stats    snapshots every ServerConfig.stats_interval s (stats_ws.py)
+    /v1/..., /tokenize, /detokenize   the OpenAI-compatible API (openai/)
+
+With ``ServerConfig.api_key`` set, every route but /healthz, /metrics and the
+page's files needs the key (auth.py).
 
 The lifespan starts the engine, an event-loop-lag probe and the session TTL
 sweeper, and stops them in reverse order.
@@ -32,11 +36,13 @@ from starlette.staticfiles import StaticFiles
 
 from streamkv.config import ServerConfig
 from streamkv.metrics import EngineMetrics
+from streamkv.server.auth import APIKeyMiddleware
 from streamkv.server.chat_ws import chat_endpoint
 from streamkv.server.engine_api import ServingEngine
 from streamkv.server.limits import ConnectionLimit
 from streamkv.server.logs import install_log_filters
 from streamkv.server.origin import OriginCheck, OriginPolicy
+from streamkv.server.openai import openai_routes
 from streamkv.server.sessions import SessionRegistry
 from streamkv.server.stats_ws import stats_endpoint
 
@@ -120,6 +126,7 @@ def create_app(
         Route("/api/stats", api_stats),
         WebSocketRoute("/ws/chat", chat_endpoint(engine, sessions, metrics, server_config)),
         WebSocketRoute("/ws/stats", stats_endpoint(engine, server_config.stats_interval)),
+        *openai_routes(engine, server_config.served_model_name, server_config.max_body_bytes),  # type: ignore[arg-type]
     ]
     if web.is_dir():
         routes.append(Mount("/static", StaticFiles(directory=web), name="static"))
@@ -129,6 +136,8 @@ def create_app(
         Middleware(ConnectionLimit, max_connections=server_config.max_connections, metrics=metrics),
         Middleware(OriginCheck, policy=origins, metrics=metrics),
     ]
+    if server_config.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=server_config.api_key))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.sessions = sessions
     app.state.engine = engine

@@ -208,6 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="debug adds every preemption with its reason (never WebSocket frames)",
     )
     serve.add_argument(
+        "--served-model-name", default=None, help="model id of the OpenAI API (unset: the model's name)"
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize, /api/stats and the "
+        "WebSockets (unset: $STREAMKV_API_KEY, else no key)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=parse_bytes,
+        default=ServerConfig().max_body_bytes,
+        help="largest HTTP request body (413 above)",
+    )
+    serve.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -283,6 +298,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
             preemption_mode=args.preemption_mode,
         ),
     )
+    api_key = args.api_key if args.api_key is not None else os.environ.get("STREAMKV_API_KEY") or None
     server = ServerConfig(
         host=args.host,
         port=args.port,
@@ -293,6 +309,9 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         max_stop_strings=args.max_stop_strings,
         max_stop_string_length=args.max_stop_string_length,
         session_ttl=args.session_ttl,
+        served_model_name=args.served_model_name,
+        api_key=api_key,
+        max_body_bytes=args.max_body_bytes,
     )
     return engine, server
 

@@ -13,7 +13,9 @@ Every key but ``type`` (and ``content`` for chat) is optional; unknown keys
 are refused so that a typo never silently changes meaning. Params default to
 the values shown (``max_tokens: null`` means "up to max_model_len",
 ``top_k: null`` keeps every token; ``top_k: -1`` is accepted as the same);
-``stop_token_ids`` and ``ignore_eos`` are accepted too.
+``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` are accepted too. Each
+param's type and range is the OpenAI API's
+(:class:`streamkv.server.openai.protocol.SamplingFields`), defined once.
 
 Server frames are built by the ``*_frame`` helpers below; the README documents
 both directions.
@@ -21,15 +23,17 @@ both directions.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from pydantic import ConfigDict, ValidationError
 
 from streamkv.errors import EngineError, ErrorCode
 from streamkv.outputs import FinishReason, Usage
 from streamkv.sampling_params import SamplingParams
+from streamkv.server.openai.errors import from_validation
+from streamkv.server.openai.protocol import SamplingFields
 
 MAX_FRAME_BYTES = 1 << 20
 # The transport refuses (closes with 1009) only far beyond our own cap, so a
@@ -70,10 +74,6 @@ class ResetFrame:
 ClientFrame = ChatFrame | CancelFrame | ResetFrame
 
 _CHAT_KEYS = frozenset({"type", "content", "session_id", "system", "resumable", "params"})
-_INT_PARAMS = ("max_tokens", "top_k", "n", "seed")
-_FLOAT_PARAMS = ("temperature", "top_p")
-_NULLABLE_PARAMS = frozenset({"max_tokens", "seed", "top_k"})
-_PARAM_KEYS = frozenset({*_INT_PARAMS, *_FLOAT_PARAMS, "stop", "stop_token_ids", "ignore_eos"})
 
 
 def parse_frame(data: str | bytes) -> ClientFrame:
@@ -133,46 +133,32 @@ def _parse_chat(obj: dict[str, Any]) -> ChatFrame:
     )
 
 
+class _FrameParams(SamplingFields):
+    """``/ws/chat`` params: the API's sampling fields, but an unknown key is refused (a typo never passes)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
 def parse_params(raw: dict[str, Any]) -> SamplingParams:
-    """Type-check ``raw`` and build SamplingParams, mapping its ValueError to ``invalid_params``."""
-    extra = sorted(set(raw) - _PARAM_KEYS)
-    if extra:
-        raise FrameError(ErrorCode.INVALID_PARAMS, f"params.{extra[0]}: unknown parameter")
-    kwargs: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": DEFAULT_TEMPERATURE}
-    for key, value in raw.items():
-        if value is None and key in _NULLABLE_PARAMS:
-            kwargs[key] = None
-        elif key in _INT_PARAMS:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise FrameError(ErrorCode.INVALID_PARAMS, f"params.{key}: must be an integer, not {_json_type(value)}")
-            kwargs[key] = None if key == "top_k" and value == -1 else value  # -1: vLLM's old spelling of "all"
-        elif key in _FLOAT_PARAMS:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise FrameError(ErrorCode.INVALID_PARAMS, f"params.{key}: must be a number, not {_json_type(value)}")
-            kwargs[key] = float(value)
-        elif key == "stop":
-            kwargs[key] = _stop_strings(value)
-        elif key == "stop_token_ids":
-            if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
-                raise FrameError(ErrorCode.INVALID_PARAMS, "params.stop_token_ids: must be a list of integers")
-            kwargs[key] = tuple(value)
-        else:  # ignore_eos
-            if not isinstance(value, bool):
-                message = f"params.{key}: must be true or false, not {_json_type(value)}"
-                raise FrameError(ErrorCode.INVALID_PARAMS, message)
-            kwargs[key] = value
+    """Validate ``raw`` with the OpenAI API's sampling fields and build SamplingParams.
+
+    ``max_tokens`` absent is ``DEFAULT_MAX_TOKENS``, ``null`` is "up to
+    max_model_len"; ``temperature`` absent or ``null`` is ``DEFAULT_TEMPERATURE``.
+
+    Raises:
+        FrameError: ``invalid_params``, the message naming the field (``params.max_tokens: ...``).
+    """
     try:
-        return SamplingParams(**kwargs)
+        fields = _FrameParams.model_validate(raw)
+    except ValidationError as e:
+        raise FrameError("invalid_params", f"params.{from_validation(e).message}") from None
+    unbounded = "max_tokens" in raw and raw["max_tokens"] is None
+    try:
+        return fields.sampling_params(
+            default_max_tokens=None if unbounded else DEFAULT_MAX_TOKENS, default_temperature=DEFAULT_TEMPERATURE
+        )
     except ValueError as e:  # SamplingParams names the field; prefix the frame path
         raise FrameError(ErrorCode.INVALID_PARAMS, f"params.{e}") from None
-
-
-def _stop_strings(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or any(not isinstance(s, str) for s in value):
-        raise FrameError(ErrorCode.INVALID_PARAMS, "params.stop: must be a string or a list of strings")
-    return tuple(value)
 
 
 def _optional_str(obj: dict[str, Any], key: str) -> str | None:
