@@ -90,8 +90,11 @@ class ChatFormatter:
         """Prompt ids of a whole conversation (``{"role", "content"}`` dicts), generation prompt included.
 
         The OpenAI API's messages; ``[system?, user]`` gives exactly :meth:`first_turn`'s ids.
+        Contents are tokenized as text, never as control tokens (no forged turns).
         """
-        ids = self._encode(self._render(messages, add_generation_prompt=True))
+        slotted = [{**m, "content": _slot(i)} for i, m in enumerate(messages)]
+        text = self._render(slotted, add_generation_prompt=True)
+        ids = self._encode_filled(text, [m["content"] for m in messages])
         prefix = self._special_prefix
         if prefix and ids[: len(prefix)] != prefix:
             ids = prefix + ids

@@ -39,7 +39,7 @@ from streamkv.metrics import EngineMetrics
 from streamkv.server.auth import APIKeyMiddleware
 from streamkv.server.chat_ws import chat_endpoint
 from streamkv.server.engine_api import ServingEngine
-from streamkv.server.limits import ConnectionLimit
+from streamkv.server.limits import ConnectionLimit, check_stop_strings
 from streamkv.server.logs import install_log_filters
 from streamkv.server.origin import OriginCheck, OriginPolicy
 from streamkv.server.openai import openai_routes
@@ -126,7 +126,12 @@ def create_app(
         Route("/api/stats", api_stats),
         WebSocketRoute("/ws/chat", chat_endpoint(engine, sessions, metrics, server_config)),
         WebSocketRoute("/ws/stats", stats_endpoint(engine, server_config.stats_interval)),
-        *openai_routes(engine, server_config.served_model_name, server_config.max_body_bytes),  # type: ignore[arg-type]
+        *openai_routes(
+            engine,  # type: ignore[arg-type]
+            server_config.served_model_name,
+            server_config.max_body_bytes,
+            lambda stop: check_stop_strings(stop, server_config, metrics),
+        ),
     ]
     if web.is_dir():
         routes.append(Mount("/static", StaticFiles(directory=web), name="static"))

@@ -151,7 +151,7 @@ def parse_params(raw: dict[str, Any]) -> SamplingParams:
     try:
         fields = _FrameParams.model_validate(raw)
     except ValidationError as e:
-        raise FrameError("invalid_params", f"params.{from_validation(e).message}") from None
+        raise FrameError(ErrorCode.INVALID_PARAMS, f"params.{from_validation(e).message}") from None
     unbounded = "max_tokens" in raw and raw["max_tokens"] is None
     try:
         return fields.sampling_params(

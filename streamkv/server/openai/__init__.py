@@ -11,6 +11,8 @@ Routes (see the README for curl examples and the error table)::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from starlette.routing import Route
 
 from streamkv.server.openai.chat import chat_endpoint
@@ -22,8 +24,14 @@ from streamkv.server.openai.tokenize import detokenize_endpoint, tokenize_endpoi
 __all__ = ["OpenAIServing", "openai_routes"]
 
 
-def openai_routes(engine: OpenAIEngine, served_model_name: str | None, max_body_bytes: int) -> list[Route]:
-    serving = OpenAIServing(engine, served_model_name, max_body_bytes)
+def openai_routes(
+    engine: OpenAIEngine,
+    served_model_name: str | None,
+    max_body_bytes: int,
+    check_stop: Callable[[Sequence[str]], None] | None = None,
+) -> list[Route]:
+    """The API's routes; ``check_stop`` bounds stop strings (the server's ``--max-stop-strings`` flags)."""
+    serving = OpenAIServing(engine, served_model_name, max_body_bytes, check_stop)
     return [
         Route("/v1/models", models_endpoint(serving), methods=["GET"]),
         Route("/v1/completions", completions_endpoint(serving), methods=["POST"]),

@@ -64,6 +64,7 @@ def chat_endpoint(serving: OpenAIServing) -> Callable[[Request], Awaitable[Respo
                 )
             except ValueError as e:
                 raise from_params(e) from None
+            serving.check_stop(params.stop)
             ids = await conversation_ids(serving, req.messages)
             serving.check_context_length(len(ids), params.max_tokens, "messages")
             runs = await admit(serving.engine, [ids], params)

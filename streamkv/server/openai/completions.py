@@ -53,6 +53,7 @@ def completions_endpoint(serving: OpenAIServing) -> Callable[[Request], Awaitabl
                 )
             except ValueError as e:
                 raise from_params(e) from None
+            serving.check_stop(params.stop)
             prompts = req.prompts()
             encoded = iter(await serving.encode([p for p in prompts if isinstance(p, str)]))
             ids = [next(encoded) if isinstance(p, str) else p for p in prompts]

@@ -185,7 +185,7 @@ def finish_reason(engine_reason: str | None) -> str | None:
     """OpenAI's vocabulary: ``stop``, ``length``; a request aborted by the server is ``abort`` (vLLM's)."""
     if engine_reason is None:
         return None
-    reason = str(getattr(engine_reason, "value", engine_reason))  # a plain str or a str enum
+    reason = str(engine_reason)
     return "abort" if reason == "cancelled" else reason
 
 

@@ -44,7 +44,7 @@ class SamplingFields(BaseModel):
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
     seed: Seed | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: StrictStr | list[StrictStr] | None = None  # count and length: --max-stop-strings, checked by the route
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0

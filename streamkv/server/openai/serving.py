@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from streamkv.server.engine_api import ServingEngine, model_name
+from streamkv.server.engine_api import ServingEngine
 from streamkv.server.openai.errors import APIError, from_validation
 from streamkv.server.openai.logprobs import LogprobFormatter
 
@@ -52,10 +52,17 @@ class OpenAIServing:
         max_body_bytes: largest request body accepted (413 above).
     """
 
-    def __init__(self, engine: OpenAIEngine, served_model_name: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        engine: OpenAIEngine,
+        served_model_name: str | None,
+        max_body_bytes: int,
+        check_stop: Callable[[Sequence[str]], None] | None = None,
+    ) -> None:
         self.engine = engine
-        self.model_id = served_model_name or model_name(engine)
-        self.root = engine.config.model.model or model_name(engine)
+        self.check_stop: Callable[[Sequence[str]], None] = check_stop or (lambda stop: None)
+        self.model_id = served_model_name or engine.model_name
+        self.root = engine.config.model.model or engine.model_name
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self._logprobs: LogprobFormatter | None = None

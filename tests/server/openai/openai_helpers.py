@@ -23,7 +23,7 @@ def build_engine(
 
     config = EngineConfig(
         model=ModelConfig(model=tiny_model_dir, device="cpu", seed=0),
-        cache=CacheConfig(num_blocks=num_blocks, session_ttl=30.0),
+        cache=CacheConfig(num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_model_len=max_model_len),
     )
     metrics = EngineMetrics()
