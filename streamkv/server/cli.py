@@ -80,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pinned-fraction", type=float, default=cache.max_pinned_fraction)
     serve.add_argument("--session-ttl", type=float, default=cache.session_ttl, help="seconds an idle session lives")
     serve.add_argument("--swap-space", type=parse_bytes, default=cache.swap_space, help="bytes of host swap")
-    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     serve.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    serve.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
+    serve.add_argument("--attention-backend", choices=("auto", "torch", "cpu", "triton"), default="auto")
     serve.add_argument(
         "--seed", type=int, default=None, help="seed of the engine's generator for unseeded requests (default: random)"
     )
