@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 core.step()
             started: set[str] = set()
 
-            def sink(out: object) -> None:
+            def sink(out: object, started: set[str] = started) -> None:
                 if any(d.token_ids for d in out.deltas):  # type: ignore[attr-defined]
                     started.add(out.request_id)  # type: ignore[attr-defined]
 

@@ -23,7 +23,6 @@ from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from streamkv.ops.cpu_ops import load_cpu_ops
 
-
 # (query, KV cache) dtype pairs with a kernel instance in csrc/paged_attention.cpp.
 _KERNEL_DTYPES = frozenset(
     {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)}

@@ -26,7 +26,7 @@ from streamkv.attention.metadata import AttentionMetadata
 from streamkv.model.linear import Linear, pack_linear_weight
 from streamkv.model.rope import RopeScaling, apply_rope, read_rope, rope_inv_freq, rope_tables
 
-__all__ = ["LlamaConfig", "LlamaForCausalLM", "Linear", "RopeScaling", "apply_rope", "rope_inv_freq", "rope_tables"]
+__all__ = ["Linear", "LlamaConfig", "LlamaForCausalLM", "RopeScaling", "apply_rope", "rope_inv_freq", "rope_tables"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

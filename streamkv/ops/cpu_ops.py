@@ -59,7 +59,7 @@ def load_cpu_ops() -> ModuleType | None:
             build_directory=str(folder),
             verbose=False,
         )
-    except Exception as exc:  # no compiler, no ninja, a compile error: all mean "use torch ops"
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a compile error: all mean "use torch ops"
         logger.warning("streamkv CPU ops unavailable (%s: %s); using the torch attention path", type(exc).__name__, exc)
         return None
     logger.info("streamkv CPU ops loaded from %s in %.1f s", folder, time.perf_counter() - start)
