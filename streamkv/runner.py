@@ -125,9 +125,21 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` picks triton on CUDA and torch elsewhere (triton imported lazily)."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+    """``auto`` picks triton on CUDA; on the CPU the C++ ``cpu`` backend when its op builds, else torch.
+
+    triton and the C++ op are imported (built) lazily. A CPU op that cannot be
+    built is logged by :func:`streamkv.ops.cpu_ops.load_cpu_ops`.
+    """
+    if name == "auto" and device.type == "cuda":
+        name = "triton"
+    elif name == "auto":
+        from streamkv.attention.cpu_paged import cpu_ops_available
+
+        name = "cpu" if cpu_ops_available() else "torch"
+    if name == "cpu":
+        from streamkv.attention.cpu_paged import CpuPagedAttention
+
+        return CpuPagedAttention()
     if name == "triton":
         from streamkv.attention.triton_paged import TritonPagedAttention
 

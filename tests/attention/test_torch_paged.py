@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 
@@ -44,8 +45,13 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_case(case: Case, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the backend on ``case``; return (output, oracle output, kv_cache after the step)."""
+def run_case(
+    case: Case,
+    dtype: torch.dtype = torch.float32,
+    backend: AttentionBackend | None = None,
+    head_dim: int = HEAD_DIM,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run ``backend`` (the torch reference by default) on ``case``; return (output, oracle output, kv_cache after)."""
     rng = random.Random(case.seed)
     gen = torch.Generator().manual_seed(case.seed)
     bs = case.block_size
@@ -60,13 +66,13 @@ def run_case(case: Case, dtype: torch.dtype = torch.float32) -> tuple[torch.Tens
         tables.append(blocks[:need])
         blocks = blocks[need:]
     # Never-written slots hold NaN: any read of one that leaks into the result shows.
-    kv_cache = torch.full((2, case.num_blocks, bs, case.num_kv_heads, HEAD_DIM), float("nan"), dtype=dtype)
+    kv_cache = torch.full((2, case.num_blocks, bs, case.num_kv_heads, head_dim), float("nan"), dtype=dtype)
     queries, keys, values, oracles = [], [], [], []
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     for q_len, seq_len, table in zip(case.query_lens, case.seq_lens, tables, strict=True):
-        k_all = torch.randn(seq_len, case.num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-        v_all = torch.randn(seq_len, case.num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-        q = torch.randn(q_len, case.num_heads, HEAD_DIM, generator=gen).to(dtype)
+        k_all = torch.randn(seq_len, case.num_kv_heads, head_dim, generator=gen).to(dtype)
+        v_all = torch.randn(seq_len, case.num_kv_heads, head_dim, generator=gen).to(dtype)
+        q = torch.randn(q_len, case.num_heads, head_dim, generator=gen).to(dtype)
         for pos in range(seq_len - q_len):  # the cached context, written by earlier steps
             kv_cache[0, table[pos // bs], pos % bs] = k_all[pos]
             kv_cache[1, table[pos // bs], pos % bs] = v_all[pos]
@@ -75,7 +81,8 @@ def run_case(case: Case, dtype: torch.dtype = torch.float32) -> tuple[torch.Tens
         values.append(v_all[seq_len - q_len :])
         oracles.append(dense_attention(q, k_all, v_all, scale))
     meta = AttentionMetadata.build(case.query_lens, case.seq_lens, tables, bs)
-    out = TorchPagedAttention().forward(torch.cat(queries), torch.cat(keys), torch.cat(values), kv_cache, meta, scale)
+    backend = backend or TorchPagedAttention()
+    out = backend.forward(torch.cat(queries), torch.cat(keys), torch.cat(values), kv_cache, meta, scale)
     return out, torch.cat(oracles), kv_cache
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from streamkv.config import ModelConfig
@@ -29,7 +30,11 @@ SCHEDULES = {
 
 
 def run_paged(
-    model: LlamaForCausalLM, seqs: list[list[int]], schedule: list[list[int]], seed: int
+    model: LlamaForCausalLM,
+    seqs: list[list[int]],
+    schedule: list[list[int]],
+    seed: int,
+    backend: AttentionBackend | None = None,
 ) -> list[torch.Tensor]:
     """Feed ``seqs`` through the paged cache step by step, scattered block tables.
 
@@ -51,7 +56,7 @@ def run_paged(
         torch.full((2, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim), float("nan"))
         for _ in range(model.num_layers)
     ]
-    backend = TorchPagedAttention()
+    backend = backend or TorchPagedAttention()
     computed = [0] * len(seqs)
     logits: list[list[torch.Tensor]] = [[] for _ in seqs]
     for step in schedule:
@@ -89,11 +94,16 @@ def hf_logits(hf_model: Any, ids: list[int]) -> torch.Tensor:
 
 
 def assert_matches_hf(
-    ours: LoadedModel, hf_model: Any, seqs: list[list[int]], schedule_name: str, atol: float = ATOL
+    ours: LoadedModel,
+    hf_model: Any,
+    seqs: list[list[int]],
+    schedule_name: str,
+    atol: float = ATOL,
+    backend: AttentionBackend | None = None,
 ) -> None:
     schedule = SCHEDULES[schedule_name]
     seqs = seqs[: len(schedule[0])]
-    for i, got in enumerate(run_paged(ours.model, seqs, schedule, seed=len(schedule_name))):
+    for i, got in enumerate(run_paged(ours.model, seqs, schedule, seed=len(schedule_name), backend=backend)):
         expected = hf_logits(hf_model, seqs[i])
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, expected, atol=atol, rtol=0, msg=lambda m, i=i: f"seq {i}: {m}")
@@ -119,6 +129,16 @@ def random_seqs(vocab_size: int, seed: int) -> list[list[int]]:
 def test_tiny_logits_match_transformers(tiny: tuple[LoadedModel, Any], schedule_name: str) -> None:
     ours, hf_model = tiny
     assert_matches_hf(ours, hf_model, random_seqs(ours.model.config.vocab_size, seed=7), schedule_name)
+
+
+@pytest.mark.parametrize("schedule_name", ["prefill_then_decode", "mixed_batch"])
+def test_tiny_cpu_attention_backend_matches_transformers(tiny: tuple[LoadedModel, Any], schedule_name: str) -> None:
+    cpu_paged = pytest.importorskip("streamkv.attention.cpu_paged")
+    if not cpu_paged.cpu_ops_available():
+        pytest.skip("the streamkv C++ CPU ops cannot be built here")
+    ours, hf_model = tiny
+    seqs = random_seqs(ours.model.config.vocab_size, seed=9)
+    assert_matches_hf(ours, hf_model, seqs, schedule_name, backend=cpu_paged.CpuPagedAttention())
 
 
 def test_tiny_plain_matmul_path_matches_too(tiny: tuple[LoadedModel, Any]) -> None:

@@ -42,7 +42,7 @@ def test_smollm2_loaded_model_record(smollm2: LoadedModel) -> None:
 
 
 def test_tiny_folder_through_load_model(tiny_model_dirs: dict[str, str]) -> None:
-    loaded = load_model(ModelConfig(model=tiny_model_dirs["llama"]), torch.device("cpu"))
+    loaded = load_model(ModelConfig(model=tiny_model_dirs["llama"], dtype="float32"), torch.device("cpu"))
     assert loaded.name == "llama"
     assert loaded.eos_token_ids == (loaded.tokenizer.eos_token_id,)
     assert loaded.max_model_len == 2048
@@ -57,7 +57,7 @@ def _tiny_checkpoint(folder: str, loaded: LoadedModel) -> tuple[Any, HFCheckpoin
 
 def test_generation_config_eos_ids_follow_the_tokenizer_eos(tiny_model_dirs: dict[str, str]) -> None:
     folder = tiny_model_dirs["qwen2"]
-    loaded = load_model(ModelConfig(model=folder), torch.device("cpu"))
+    loaded = load_model(ModelConfig(model=folder, dtype="float32"), torch.device("cpu"))
     hf_model, checkpoint = _tiny_checkpoint(folder, loaded)
     hf_model.generation_config.eos_token_id = [7, loaded.tokenizer.eos_token_id, 9]
     assert from_hf(checkpoint, torch.float32, torch.device("cpu")).eos_token_ids == (
@@ -69,7 +69,7 @@ def test_generation_config_eos_ids_follow_the_tokenizer_eos(tiny_model_dirs: dic
 
 def test_sliding_window_caps_max_model_len(tiny_model_dirs: dict[str, str]) -> None:
     folder = tiny_model_dirs["mistral"]
-    loaded = load_model(ModelConfig(model=folder), torch.device("cpu"))
+    loaded = load_model(ModelConfig(model=folder, dtype="float32"), torch.device("cpu"))
     assert loaded.max_model_len == 2048  # window 4096 is wider than the context
     hf_model, checkpoint = _tiny_checkpoint(folder, loaded)
     hf_model.config.sliding_window = 512

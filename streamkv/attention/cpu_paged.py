@@ -1,0 +1,74 @@
+"""CPU paged attention whose decode reads K/V in place through the block table (a C++ op).
+
+Why a C++ op: the torch reference (:mod:`streamkv.attention.torch_paged`)
+gathers every sequence's whole context into a new head-major tensor in every
+layer (one ``index_select`` of 256-byte rows) and then reads that copy again
+in ``baddbmm`` / ``bmm``. That gather was 34% of a batch-32 decode step on the
+2-core EPYC (docs/benchmarks.md). The op in ``streamkv/ops/csrc`` walks each
+sequence's block table and reads each K and V row once, straight from the
+pool, for all ``G`` query heads of its KV head, accumulating in fp32 (fp32 or
+bf16 KV). Measured against the torch path in docs/benchmarks.md ("Speed
+levers").
+
+Prefill and chunk rows keep the torch path (SDPA per sequence, already at
+GEMM-like speed); so does the KV write. When the op cannot be built, the
+engine never picks this backend (see :func:`cpu_ops_available`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamkv.attention.metadata import AttentionMetadata
+from streamkv.attention.torch_paged import TorchPagedAttention
+from streamkv.ops.cpu_ops import load_cpu_ops
+
+# (query, KV cache) dtype pairs with a kernel instance in csrc/paged_attention.cpp.
+_KERNEL_DTYPES = frozenset(
+    {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)}
+)
+
+
+def cpu_ops_available() -> bool:
+    """True when the C++ ops are built (or build now) and load; logs once why not otherwise."""
+    return load_cpu_ops() is not None
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """The torch backend with its decode rows on the in-place C++ kernel.
+
+    Raises:
+        RuntimeError: (at construction) the C++ ops cannot be built or loaded.
+    """
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        ops = load_cpu_ops()
+        if ops is None:
+            raise RuntimeError("the streamkv CPU ops could not be built; use the torch attention backend")
+        self._ops = ops
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        meta: AttentionMetadata,
+        scale: float,
+        cache_key: str,
+    ) -> torch.Tensor:
+        """See :meth:`TorchPagedAttention.decode`; same contract, no gather.
+
+        Dtype pairs the kernel has no instance for (float16) take the torch path.
+
+        Raises:
+            RuntimeError: tensors on a GPU (the op checks).
+        """
+        if (query.dtype, kv_cache.dtype) not in _KERNEL_DTYPES:
+            return super().decode(query, kv_cache, block_tables, seq_lens, max_seq_len, meta, scale, cache_key)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        self._ops.paged_decode(out, query, kv_cache, block_tables, seq_lens.contiguous(), scale)
+        return out

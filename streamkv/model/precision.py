@@ -1,0 +1,54 @@
+"""Which dtype ``--dtype auto`` means on this machine.
+
+vLLM's rule, adapted to the CPU: bf16 where the hardware computes it natively
+(CPUs with AVX512-BF16 or AMX-BF16, where oneDNN's bf16 matmuls run at about
+twice the fp32 rate and the KV cache halves; GPUs with bf16 support), else
+float32 on the CPU and float16 on older GPUs. fp32 stays the exact
+reference: every exactness test pins it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """True when the CPU has native bf16 arithmetic (``avx512_bf16`` or ``amx_bf16`` in its flags).
+
+    Args:
+        cpuinfo: text in ``/proc/cpuinfo``'s format; read from there when
+            ``None``. Without it (not Linux), torch's own CPU probe answers.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+            return bool(probe()) if probe is not None else False
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags.update(value.split())
+    return not BF16_CPU_FLAGS.isdisjoint(flags)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype for ``--dtype name`` on ``device`` (``auto`` decided here).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}, not {name!r}")
+    return DTYPES[name]

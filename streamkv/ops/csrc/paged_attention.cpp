@@ -1,0 +1,289 @@
+// Paged decode attention on the CPU: reads K/V in place through the block table.
+//
+// One task per (sequence, KV head): its G = Hq / Hkv query heads share the
+// task, so every K and V row is read once from the pool and used G times.
+// Two passes over the context (scores, then the weighted sum of V) keep the
+// scores of one task in a thread-local float buffer; for this engine's
+// contexts (<= a few thousand tokens) that buffer stays in L2.
+//
+//   kv_cache [2, num_blocks, block_size, Hkv, D]   (fp32 or bf16, contiguous)
+//   token p of sequence b: block block_tables[b, p / block_size], offset p % block_size
+//
+// Everything accumulates in fp32, whatever the cache dtype.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename kv_t>
+inline float dot(const float* q, const kv_t* k, int64_t d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += q[i] * to_float(k[i]);
+  return s;
+}
+
+template <typename kv_t>
+inline void axpy(float a, const kv_t* v, float* acc, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] += a * to_float(v[i]);
+}
+
+// Portable kernel: any head_dim, auto-vectorised loops, std::exp.
+template <typename q_t, typename kv_t>
+void decode_generic(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  const int64_t num_seqs = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_stride_s = query.stride(0), q_stride_h = query.stride(1);
+  const int64_t o_stride_s = out.stride(0), o_stride_h = out.stride(1);
+  const int64_t bt_stride = block_tables.stride(0);
+  const int64_t slot_stride = num_kv_heads * head_dim;          // one slot's row of all heads
+  const int64_t block_stride = block_size * slot_stride;
+  const int64_t v_offset = kv_cache.stride(0);                  // K and V halves
+
+  const q_t* q_ptr = query.data_ptr<q_t>();
+  q_t* o_ptr = out.data_ptr<q_t>();
+  const kv_t* kv_ptr = kv_cache.data_ptr<kv_t>();
+  const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
+  const int32_t* len_ptr = seq_lens.data_ptr<int32_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max<int64_t>(max_len, len_ptr[b]);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * max_len);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t len = len_ptr[b];
+      const int32_t* table = bt_ptr + b * bt_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const q_t* src = q_ptr + b * q_stride_s + (h * group + g) * q_stride_h;
+        for (int64_t i = 0; i < head_dim; ++i) q[g * head_dim + i] = static_cast<float>(src[i]) * scale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      // Pass 1: scores[g, p] = q_g . k_p
+      for (int64_t p = 0; p < len; ++p) {
+        const kv_t* k = kv_ptr + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * head_dim;
+        for (int64_t g = 0; g < group; ++g) scores[g * max_len + p] = dot(&q[g * head_dim], k, head_dim);
+      }
+      // Softmax per query head (max-subtracted, fp32).
+      std::vector<float> inv_sum(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = &scores[g * max_len];
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < len; ++p) m = std::max(m, s[p]);
+        float sum = 0.f;
+        for (int64_t p = 0; p < len; ++p) {
+          s[p] = std::exp(s[p] - m);
+          sum += s[p];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      // Pass 2: acc_g = sum_p softmax_gp v_p
+      for (int64_t p = 0; p < len; ++p) {
+        const kv_t* v =
+            kv_ptr + v_offset + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * head_dim;
+        for (int64_t g = 0; g < group; ++g) axpy(scores[g * max_len + p], v, &acc[g * head_dim], head_dim);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        q_t* dst = o_ptr + b * o_stride_s + (h * group + g) * o_stride_h;
+        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<q_t>(acc[g * head_dim + i] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// 16 lanes of K/V as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp on 16 lanes: 2^n * poly(r), x = n ln2 + r, |r| <= ln2 / 2; degree-7 Taylor (rel. error < 1e-7).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 poly = _mm512_set1_ps(1.f / 5040);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 720));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 120));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 24));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 6));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(poly, n);
+}
+
+// The same contract as decode_generic, for head_dim == 16 * C: a task's queries and its
+// accumulators sit in zmm-sized chunks, each K/V row is C loads, exp is vectorised.
+template <int C, typename q_t, typename kv_t>
+void decode_avx512(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  constexpr int64_t head_dim = 16 * C;
+  const int64_t num_seqs = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_stride_s = query.stride(0), q_stride_h = query.stride(1);
+  const int64_t o_stride_s = out.stride(0), o_stride_h = out.stride(1);
+  const int64_t bt_stride = block_tables.stride(0);
+  const int64_t slot_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * slot_stride;
+  const int64_t v_offset = kv_cache.stride(0);
+
+  const q_t* q_ptr = query.data_ptr<q_t>();
+  q_t* o_ptr = out.data_ptr<q_t>();
+  const kv_t* kv_ptr = kv_cache.data_ptr<kv_t>();
+  const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
+  const int32_t* len_ptr = seq_lens.data_ptr<int32_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max<int64_t>(max_len, len_ptr[b]);
+  const int64_t padded_len = (max_len + 15) / 16 * 16;
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> q(group * C), acc(group * C);
+    std::vector<float> scores(group * padded_len);
+    std::vector<float> inv_sum(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t len = len_ptr[b];
+      const int32_t* table = bt_ptr + b * bt_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const q_t* src = q_ptr + b * q_stride_s + (h * group + g) * q_stride_h;
+        alignas(64) float tmp[head_dim];
+        for (int64_t i = 0; i < head_dim; ++i) tmp[i] = static_cast<float>(src[i]) * static_cast<float>(scale);
+        for (int c = 0; c < C; ++c) q[g * C + c] = _mm512_load_ps(tmp + 16 * c);
+        for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
+      }
+      // Pass 1: scores[g, p] = q_g . k_p, block by block through the table.
+      for (int64_t p = 0; p < len; ++p) {
+        const kv_t* k = kv_ptr + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * head_dim;
+        __m512 kr[C];
+        for (int c = 0; c < C; ++c) kr[c] = load16(k + 16 * c);
+        for (int64_t g = 0; g < group; ++g) {
+          __m512 s = _mm512_mul_ps(q[g * C], kr[0]);
+          for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[g * C + c], kr[c], s);
+          scores[g * padded_len + p] = _mm512_reduce_add_ps(s);
+        }
+      }
+      // Softmax per query head; lanes past len are masked out of max, exp and sum.
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = &scores[g * padded_len];
+        __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t p = 0; p < len; p += 16) {
+          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
+          m16 = _mm512_mask_max_ps(m16, live, m16, _mm512_maskz_loadu_ps(live, s + p));
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(m16));
+        __m512 sum16 = _mm512_setzero_ps();
+        for (int64_t p = 0; p < len; p += 16) {
+          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
+          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + p), m)));
+          _mm512_mask_storeu_ps(s + p, live, e);
+          sum16 = _mm512_add_ps(sum16, e);
+        }
+        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum16);
+      }
+      // Pass 2: acc_g += softmax_gp * v_p.
+      for (int64_t p = 0; p < len; ++p) {
+        const kv_t* v =
+            kv_ptr + v_offset + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * head_dim;
+        __m512 vr[C];
+        for (int c = 0; c < C; ++c) vr[c] = load16(v + 16 * c);
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512 w = _mm512_set1_ps(scores[g * padded_len + p]);
+          for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_fmadd_ps(w, vr[c], acc[g * C + c]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        alignas(64) float tmp[head_dim];
+        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g * C + c], inv));
+        q_t* dst = o_ptr + b * o_stride_s + (h * group + g) * o_stride_h;
+        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<q_t>(tmp[i]);
+      }
+    }
+  });
+}
+#endif
+
+// Picks the vectorised kernel for the common head dims, the portable one otherwise.
+template <typename q_t, typename kv_t>
+void decode_kernel(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+#if defined(__AVX512F__)
+  switch (query.size(2)) {
+    case 64: return decode_avx512<4, q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale);
+    case 128: return decode_avx512<8, q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale);
+    default: break;
+  }
+#endif
+  decode_generic<q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale);
+}
+
+}  // namespace
+
+// out[B, Hq, D] = softmax(q K^T * scale) V over each sequence's seq_lens[b] cached tokens.
+void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_tables,
+                  at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [B, Hq, D] alike");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2), "head_dim of query and kv_cache differ");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads are not a multiple of KV heads");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a unit last stride");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) == query.size(0),
+              "block_tables must be [B, max_blocks] with unit last stride");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous() && seq_lens.size(0) == query.size(0),
+              "seq_lens must be a contiguous [B]");
+  TORCH_CHECK(query.scalar_type() == out.scalar_type(), "query and out dtypes differ");
+  TORCH_CHECK(!query.is_cuda() && !kv_cache.is_cuda(), "CPU tensors only");
+  const auto q_type = query.scalar_type(), kv_type = kv_cache.scalar_type();
+  if (q_type == at::kFloat && kv_type == at::kFloat) {
+    decode_kernel<float, float>(out, query, kv_cache, block_tables, seq_lens, scale);
+  } else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16) {
+    decode_kernel<at::BFloat16, at::BFloat16>(out, query, kv_cache, block_tables, seq_lens, scale);
+  } else if (q_type == at::kFloat && kv_type == at::kBFloat16) {
+    decode_kernel<float, at::BFloat16>(out, query, kv_cache, block_tables, seq_lens, scale);
+  } else {
+    TORCH_CHECK(false, "unsupported dtypes: query ", q_type, ", kv_cache ", kv_type);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention reading K/V in place (CPU)");
+}

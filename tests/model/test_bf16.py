@@ -1,0 +1,112 @@
+"""bf16 (the ``--dtype auto`` choice on CPUs with AVX512-BF16) against transformers in bf16 and our fp32.
+
+Two figures, on the real SmolLM2 (loaded once per run):
+
+* greedy tokens of the engine in bf16, checked position by position against
+  transformers' bf16 model fed the same tokens (teacher forcing): each token
+  is transformers' argmax, or, where it is not, the two candidates' logits
+  in transformers lie within bf16 rounding of each other (``TIE_ULPS`` units
+  in the last place of bf16 at the top logit's magnitude), so either choice is
+  a correct bf16 answer. The test prints which positions were ties.
+* perplexity of a fixed English text in bf16 within 0.5% of fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from streamkv.attention.metadata import AttentionMetadata
+from streamkv.attention.torch_paged import TorchPagedAttention
+from streamkv.llm import LLM
+from streamkv.model.chat import ChatFormatter
+from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf
+from streamkv.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 48
+TIE_ULPS = 4  # bf16 has 8 significand bits: one ulp at |x| in [2^e, 2^(e+1)) is 2^(e-7)
+TEXT = (
+    "The water cycle describes how water moves between the land, the oceans and the air. "
+    "Heat from the sun evaporates water from seas and lakes, and plants release vapour from their "
+    "leaves. As the warm, moist air rises it cools, and the vapour condenses into tiny droplets "
+    "that form clouds. When the droplets grow heavy enough they fall as rain or snow. Some of that "
+    "water runs off into rivers and flows back to the sea, some soaks into the ground and refills "
+    "aquifers, and some is taken up by the roots of plants. Over thousands of years the same water "
+    "passes through this cycle again and again, shaping valleys, feeding forests and keeping the "
+    "climate of the planet within the narrow range that life depends on."
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2_checkpoint: HFCheckpoint) -> LoadedModel:
+    return from_hf(smollm2_checkpoint, torch.bfloat16, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(smollm2_checkpoint: HFCheckpoint) -> Any:
+    return copy.deepcopy(smollm2_checkpoint.model).to(torch.bfloat16).eval()
+
+
+def bf16_ulp(x: float) -> float:
+    """One unit in the last place of bf16 at magnitude ``|x|``."""
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
+
+
+def test_bf16_greedy_agrees_with_transformers_bf16_or_ties(
+    smollm2_bf16: LoadedModel, hf_bf16: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompt = ChatFormatter(smollm2_bf16.tokenizer).first_turn("Explain what a KV cache is in one sentence.")
+    llm = LLM(loaded=smollm2_bf16, device="cpu")
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    ours = out.outputs[0].token_ids
+    with torch.inference_mode():
+        logits = hf_bf16(torch.tensor([prompt + ours])).logits[0].float()
+    # Row p predicts token p + 1: generated token i comes from row len(prompt) - 1 + i.
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + NEW_TOKENS]
+    verdicts = []
+    for i, (row, token) in enumerate(zip(rows, ours, strict=True)):
+        top = int(row.argmax())
+        if top == token:
+            verdicts.append("=")
+            continue
+        gap = float(row[top] - row[token])
+        limit = TIE_ULPS * bf16_ulp(float(row[top]))
+        verdicts.append("t")
+        assert gap <= limit, (
+            f"position {i}: we chose {token}, transformers bf16 {top}, logit gap {gap:.4f} > bf16 rounding {limit:.4f}"
+        )
+    with capsys.disabled():
+        ties = [i for i, v in enumerate(verdicts) if v == "t"]
+        print(f"\nbf16 greedy vs transformers bf16: {verdicts.count('=')}/{NEW_TOKENS} argmax, ties at {ties}")
+
+
+def perplexity(loaded: LoadedModel, ids: list[int]) -> float:
+    """exp(mean next-token cross-entropy) of ``ids`` in one paged prefill (torch reference attention)."""
+    model, block_size = loaded.model, 16
+    num_blocks = -(-len(ids) // block_size)
+    shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    kv_caches = [torch.zeros(shape, dtype=loaded.dtype) for _ in range(model.num_layers)]
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(num_blocks))], block_size)
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv_caches, meta, TorchPagedAttention())
+        logits = model.compute_logits(hidden[:-1])
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(float(loss))
+
+
+def test_bf16_perplexity_within_half_a_percent_of_fp32(
+    smollm2: LoadedModel, smollm2_bf16: LoadedModel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ids = smollm2.tokenizer.encode(TEXT)
+    assert len(ids) > 100
+    fp32, bf16 = perplexity(smollm2, ids), perplexity(smollm2_bf16, ids)
+    with capsys.disabled():
+        print(f"\nperplexity over {len(ids)} tokens: fp32 {fp32:.4f}, bf16 {bf16:.4f} ({bf16 / fp32 - 1:+.3%})")
+    assert 1.0 < fp32 < 100.0  # the text is ordinary English: a working model finds it easy
+    assert abs(bf16 / fp32 - 1) <= 0.005
