@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from streamkv.model.llama import LlamaConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +45,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, swapped, sin)
 
 
-def rope_tables(config: LlamaConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+class RopeConfig(Protocol):
+    """What RoPE reads of a model config (``LlamaConfig`` has these)."""
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def rope_theta(self) -> float: ...
+
+    @property
+    def rope_scaling(self) -> RopeScaling | None: ...
+
+
+def rope_tables(config: RopeConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Precompute RoPE tables for positions ``0 .. max_positions-1``.
 
     The angles are ``position * inv_freq`` in float32, exactly as transformers
@@ -64,7 +74,7 @@ def rope_tables(config: LlamaConfig, max_positions: int) -> tuple[torch.Tensor, 
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+def rope_inv_freq(config: RopeConfig) -> torch.Tensor:
     """float32 ``[D/2]`` inverse frequencies, with llama3 / linear scaling applied.
 
     Source: transformers ``modeling_rope_utils`` (``_compute_default_rope_parameters``,
