@@ -10,8 +10,8 @@ KV cache of one layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_
 
 from __future__ import annotations
 
-from streamkv.kernels.paged_decode import paged_decode
-from streamkv.kernels.paged_prefill import paged_prefill
-from streamkv.kernels.store_kv import store_kv
+from .paged_decode import paged_decode
+from .paged_prefill import paged_prefill
+from .store_kv import store_kv
 
 __all__ = ["paged_decode", "paged_prefill", "store_kv"]

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamkv.kernels.dot import dot_flags, tile_dot
+from .dot import dot_flags, tile_dot
 
 # Split heuristic: aim for enough programs to fill an H100/H200-class GPU
 # (~132 SMs, several programs each) without splits shorter than a few tiles.

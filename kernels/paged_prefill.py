@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamkv.kernels.dot import dot_flags, tile_dot
+from .dot import dot_flags, tile_dot
 
 
 @triton.jit

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from streamkv.kernels import paged_decode, paged_prefill, store_kv
 from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
+
+# kernels/ installs as streamkv.kernels (package-dir in pyproject.toml); mypy cannot follow that mapping
+from streamkv.kernels import paged_decode, paged_prefill, store_kv  # type: ignore[import-not-found]
 
 
 class TritonPagedAttention(AttentionBackend):
