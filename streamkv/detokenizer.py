@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -106,7 +107,8 @@ class IncrementalDetokenizer:
         self.num_emitted = 0  # characters of self.text already returned
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        # one flat id list decodes to one string (the list[str] in decode's type is for batches)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def add_token(self, token_id: int) -> tuple[str, bool]:
         """Feed one token; return ``(delta, stopped)``.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.engine_core import EngineCore
@@ -40,13 +42,16 @@ class LLM:
         config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
         metrics: MetricsHooks | None = None,
-        **options: object,
+        **options: Any,
     ) -> None:
         if config is None:
             unknown = set(options) - _MODEL_KEYS - _CACHE_KEYS - _SCHED_KEYS
             if unknown:
                 raise TypeError(f"unknown LLM options: {sorted(unknown)}")
-            pick = lambda keys: {k: v for k, v in options.items() if k in keys}  # noqa: E731
+
+            def pick(keys: set[str]) -> dict[str, Any]:
+                return {k: v for k, v in options.items() if k in keys}
+
             config = EngineConfig(
                 model=ModelConfig(model=model, **pick(_MODEL_KEYS - {"model"})),
                 cache=CacheConfig(**pick(_CACHE_KEYS)),
@@ -81,16 +86,18 @@ class LLM:
         if len(plist) != len(ids):
             raise ValueError("one SamplingParams per prompt, or one for all")
         sessions = list(session_ids) if session_ids is not None else [None] * len(ids)
-        for prompt, p in zip(ids, plist):
+        if len(sessions) != len(ids):
+            raise ValueError("one session id (or None) per prompt")
+        for prompt, p in zip(ids, plist, strict=True):
             self.core.validate(prompt, p)
         results: dict[str, CompletedRequest] = {}
         order = []
-        for prompt, p, sid in zip(ids, plist, sessions):
+        for prompt, p, sid in zip(ids, plist, sessions, strict=True):
             rid = f"offline-{next(self._ids)}"
             order.append(rid)
             res = CompletedRequest(rid, prompt, [CompletionOutput(i) for i in range(p.n)])
             results[rid] = res
-            self.core.add_request(rid, prompt, p, lambda out, res=res: _collect(res, out), sid)
+            self.core.add_request(rid, prompt, p, functools.partial(_collect, res), sid)
         while self.core.has_work():
             self.core.step()
         return [results[rid] for rid in order]

@@ -27,6 +27,7 @@ from streamkv.outputs import (
     FinishReason,
     RequestOutput,
     RequestSink,
+    TokenLogprob,
     Usage,
 )
 from streamkv.sched.request import Request, SeqStatus, Sequence

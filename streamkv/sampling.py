@@ -119,8 +119,8 @@ def compute_logprobs(
     chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logits.device)).squeeze(1).tolist()
     k = max(params[i].logprobs or 0 for i in rows)
     top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    vals, ids = top_vals.tolist(), top_ids.tolist()
     for j, i in enumerate(rows):
         n = params[i].logprobs or 0
-        out[i] = [TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])))]
+        out[i] = [TokenLogprob(tokens[i], chosen[j], list(zip(ids[j][:n], vals[j][:n], strict=True)))]
     return out

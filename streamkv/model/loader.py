@@ -19,14 +19,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from streamkv.config import ModelConfig
-from streamkv.model.llama import LlamaConfig, LlamaForCausalLM
+from streamkv.model.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -238,7 +238,8 @@ def load_hf_weights(
     m.norm.weight = take("model.norm.weight")
     if model.lm_head is not None:
         model.lm_head = take("lm_head.weight")
-    for i, layer in enumerate(m.layers):
+    for i, module in enumerate(m.layers):
+        layer = cast(DecoderLayer, module)  # nn.ModuleList is untyped: it yields nn.Module
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj.weight = take(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"))

@@ -41,8 +41,8 @@ from streamkv.server.chat_ws import chat_endpoint
 from streamkv.server.engine_api import ServingEngine
 from streamkv.server.limits import ConnectionLimit, check_stop_strings
 from streamkv.server.logs import install_log_filters
-from streamkv.server.origin import OriginCheck, OriginPolicy
 from streamkv.server.openai import openai_routes
+from streamkv.server.origin import OriginCheck, OriginPolicy
 from streamkv.server.sessions import SessionRegistry
 from streamkv.server.stats_ws import stats_endpoint
 

@@ -75,7 +75,8 @@ def _is_open(path: str) -> bool:
 def _bearer(scope: Scope) -> str | None:
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
+            header: str = value.decode("latin-1")
+            scheme, _, token = header.partition(" ")
             if scheme.lower() == "bearer":
                 return token.strip()
             return ""  # some other scheme: present, but not our key

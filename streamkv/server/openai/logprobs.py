@@ -6,7 +6,7 @@ that string's UTF-8 bytes, so a token that ends mid-character shows U+FFFD.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from streamkv.outputs import TokenLogprob
 
@@ -24,7 +24,9 @@ class LogprobFormatter:
     def token(self, token_id: int) -> str:
         s = self._strings.get(token_id)
         if s is None:
-            s = self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            # one flat id list decodes to one string (the list[str] in decode's type is for batches)
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            s = cast(str, text)
             if len(self._strings) < 65536:
                 self._strings[token_id] = s
         return s

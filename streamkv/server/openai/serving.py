@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -69,7 +69,7 @@ class OpenAIServing:
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        tokenizer = getattr(self.engine, "tokenizer", None)
+        tokenizer: PreTrainedTokenizerBase | None = getattr(self.engine, "tokenizer", None)
         if tokenizer is None:
             raise APIError(503, "this engine has no tokenizer", "engine_stopped")
         return tokenizer
@@ -133,9 +133,10 @@ class OpenAIServing:
 
     async def decode(self, ids: list[int]) -> str:
         tokenizer = self.tokenizer
-        return await asyncio.to_thread(
+        text = await asyncio.to_thread(
             tokenizer.decode, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
+        return cast(str, text)  # one flat id list decodes to one string (list[str] is for batches)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = len(self.tokenizer)
