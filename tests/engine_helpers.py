@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from streamkv.llm import LLM
 from streamkv.model.loader import LoadedModel
 from streamkv.sampling_params import SamplingParams
 
 
-def make_llm(loaded: LoadedModel, **options: object) -> LLM:
+def make_llm(loaded: LoadedModel, **options: Any) -> LLM:
     options.setdefault("device", "cpu")
     options.setdefault("num_blocks", 256)
     return LLM(loaded=loaded, **options)

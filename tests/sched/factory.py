@@ -13,7 +13,7 @@ import itertools
 from types import SimpleNamespace
 
 from streamkv.cache.kv_cache_manager import KVCacheManager
-from streamkv.config import SchedulerConfig
+from streamkv.config import PreemptionMode, SchedulerConfig
 from streamkv.engine_core import EngineCore
 from streamkv.sampling_params import SamplingParams
 from streamkv.sched.output import SchedulerOutput
@@ -47,7 +47,7 @@ def make_scheduler(
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        preemption_mode=preemption_mode,
+        preemption_mode=PreemptionMode(preemption_mode),
     )
     return Scheduler(config, kv)
 

@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from streamkv.cache.kv_cache_manager import KVCacheManager
 from streamkv.config import SchedulerConfig
 from streamkv.sampling_params import SamplingParams
 from streamkv.sched.output import SchedulerOutput
-from streamkv.sched.request import Request, Sequence, SeqStatus
+from streamkv.sched.request import Request, SeqStatus, Sequence
 from streamkv.sched.scheduler import Scheduler
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
-def _build(cls: type, **values: Any) -> Any:
+_Record = TypeVar("_Record", bound="DataclassInstance")
+
+
+def _build(cls: type[_Record], **values: Any) -> _Record:
     """Construct a record from the fields it has (the engine-only ones may move elsewhere)."""
     fields = cls.__dataclass_fields__
     return cls(**{k: v for k, v in values.items() if k in fields})

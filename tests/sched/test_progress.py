@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from streamkv.outputs import RequestOutput
+from streamkv.engine_core import EngineCore
+from streamkv.errors import EngineError
+from streamkv.model.loader import LoadedModel
+from streamkv.outputs import RequestOutput, RequestSink
 from tests.engine_helpers import assert_pool_whole, greedy, make_llm, prompts_of
 from tests.sched.sched_driver import SchedulerDriver, tokens
 
@@ -34,7 +37,7 @@ def _wedge_setup(d: SchedulerDriver) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_next_turn_that_cannot_allocate_holds_no_blocks(mode):
+def test_next_turn_that_cannot_allocate_holds_no_blocks(mode: str) -> None:
     d = SchedulerDriver(20, preemption_mode=mode)
     d.check_waiting = False  # the end state is the claim here; the next test checks every step
     _wedge_setup(d)
@@ -46,7 +49,7 @@ def test_next_turn_that_cannot_allocate_holds_no_blocks(mode):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_waiting_sequences_never_hold_blocks(mode):
+def test_waiting_sequences_never_hold_blocks(mode: str) -> None:
     d = SchedulerDriver(20, preemption_mode=mode)
     _wedge_setup(d)
     d.run(1000)  # the driver asserts after every step that no waiting sequence holds a block
@@ -54,7 +57,7 @@ def test_waiting_sequences_never_hold_blocks(mode):
     d.assert_pool_whole()
 
 
-def test_failed_adoption_keeps_the_pin_or_releases_it_whole():
+def test_failed_adoption_keeps_the_pin_or_releases_it_whole() -> None:
     """A next turn that cannot get its blocks hands them back: to the pin, or (when the
     scheduler must unpin for room) released with its full blocks still cached."""
     d = SchedulerDriver(20)
@@ -69,7 +72,7 @@ def test_failed_adoption_keeps_the_pin_or_releases_it_whole():
     d.kv.check_invariants()
 
 
-def test_resumed_request_is_not_preempted_again_and_again():
+def test_resumed_request_is_not_preempted_again_and_again() -> None:
     """No prefix caching, recompute, 8 blocks, budget 16: two 40-token prompts of 80 tokens each.
 
     The old scheduler preempted the second one 18 times and computed 550
@@ -89,7 +92,7 @@ def test_resumed_request_is_not_preempted_again_and_again():
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemptions_per_sequence_are_bounded_under_pressure(mode):
+def test_preemptions_per_sequence_are_bounded_under_pressure(mode: str) -> None:
     d = SchedulerDriver(12, enable_prefix_caching=False, max_num_batched_tokens=16, preemption_mode=mode)
     for i in range(6):
         d.add(f"r{i}", tokens(30 + 7 * i, i), 60)
@@ -102,7 +105,7 @@ def test_preemptions_per_sequence_are_bounded_under_pressure(mode):
 # ------------------------------------------------------------ the engine, tiny model
 
 
-def _run_core(core, max_steps: int) -> None:
+def _run_core(core: EngineCore, max_steps: int) -> None:
     for _ in range(max_steps):
         if not core.has_work():
             return
@@ -114,8 +117,10 @@ def _run_core(core, max_steps: int) -> None:
     )
 
 
-def _collect(store: dict[str, list[int]], rid: str):
-    def sink(out: RequestOutput) -> None:
+def _collect(store: dict[str, list[int]], rid: str) -> RequestSink:
+    def sink(out: RequestOutput | EngineError) -> None:
+        if isinstance(out, EngineError):  # the engine failed the request: fail the test with its error
+            raise out
         for d in out.deltas:
             store.setdefault(rid, []).extend(d.token_ids)
 
@@ -123,7 +128,7 @@ def _collect(store: dict[str, list[int]], rid: str):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_engine_next_turn_under_pressure_finishes_with_greedy_output(tiny, mode):
+def test_engine_next_turn_under_pressure_finishes_with_greedy_output(tiny: LoadedModel, mode: str) -> None:
     """Item 1 end to end: the 20-block wedge on EngineCore, and the answers equal solo runs."""
     first, other, new_turn = prompts_of([100, 100, 60], seed=5)
     solo = make_llm(tiny)
@@ -149,7 +154,7 @@ def test_engine_next_turn_under_pressure_finishes_with_greedy_output(tiny, mode)
     assert_pool_whole(llm)
 
 
-def test_engine_resumed_request_keeps_greedy_output_and_the_bound(tiny):
+def test_engine_resumed_request_keeps_greedy_output_and_the_bound(tiny: LoadedModel) -> None:
     """Item 2 end to end: no prefix caching, recompute, 8 blocks, budget 16 (the old scheduler
     preempted one request 18 times); the answers equal solo runs."""
     prompts = prompts_of([40, 40], seed=6)
@@ -165,7 +170,7 @@ def test_engine_resumed_request_keeps_greedy_output_and_the_bound(tiny):
     assert_pool_whole(llm)
 
 
-def test_max_preemptions_must_allow_one_preemption():
+def test_max_preemptions_must_allow_one_preemption() -> None:
     from streamkv.config import SchedulerConfig
 
     assert SchedulerConfig().max_preemptions == MAX_PREEMPTIONS

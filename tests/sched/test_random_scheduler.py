@@ -80,6 +80,7 @@ def _run(seed: int) -> None:
             arrivals += 1
             n = rng.choice([1, 1, 1, 2, 3])
             idle = sorted(s for s in last_turn if s not in in_flight)
+            sid: str | None
             if idle and rng.random() < 0.5:  # the next turn of a session: its history + a new turn
                 sid = rng.choice(idle)
                 history = last_turn[sid].seqs[0].token_ids
@@ -134,6 +135,6 @@ def _run(seed: int) -> None:
 
 
 @pytest.mark.parametrize("chunk", range(4))
-def test_every_request_finishes_within_the_bound(chunk):
+def test_every_request_finishes_within_the_bound(chunk: int) -> None:
     for seed in range(chunk * NUM_SEEDS // 4, (chunk + 1) * NUM_SEEDS // 4):
         _run(seed)
