@@ -58,7 +58,8 @@ class ModelRunner:
         host_shape = (2, num_host_blocks, block_size, m.num_kv_heads, m.head_dim)
         pin = device.type == "cuda"
         self.host_caches = [
-            torch.zeros(host_shape, dtype=loaded.dtype, pin_memory=pin) for _ in range(m.num_layers if num_host_blocks else 0)
+            torch.zeros(host_shape, dtype=loaded.dtype, pin_memory=pin)
+            for _ in range(m.num_layers if num_host_blocks else 0)
         ]
 
     @torch.inference_mode()
@@ -100,12 +101,12 @@ class ModelRunner:
         if out.swap_out:
             src = torch.tensor([d for d, _ in out.swap_out], device=self.device)
             dst = torch.tensor([h for _, h in out.swap_out])
-            for dev, host in zip(self.kv_caches, self.host_caches):
+            for dev, host in zip(self.kv_caches, self.host_caches, strict=True):
                 host[:, dst] = dev[:, src].to("cpu")
         if out.swap_in:
             src = torch.tensor([h for h, _ in out.swap_in])
             dst = torch.tensor([d for _, d in out.swap_in], device=self.device)
-            for dev, host in zip(self.kv_caches, self.host_caches):
+            for dev, host in zip(self.kv_caches, self.host_caches, strict=True):
                 dev[:, dst] = host[:, src].to(self.device)
         if out.copies:
             src = torch.tensor([s for s, _ in out.copies], device=self.device)

@@ -55,7 +55,7 @@ def sample_batch(
     out = [0] * len(params)
     if greedy:
         idx = torch.tensor(greedy, device=logits.device)
-        for i, tok in zip(greedy, torch.argmax(logits[idx], dim=-1).tolist()):
+        for i, tok in zip(greedy, torch.argmax(logits[idx], dim=-1).tolist(), strict=True):
             out[i] = tok
     for i, p in enumerate(params):
         if not p.greedy:
@@ -83,7 +83,7 @@ def apply_min_tokens(
     """
     banned = [
         (i, [*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids])
-        for i, (p, num) in enumerate(zip(params, num_output_tokens))
+        for i, (p, num) in enumerate(zip(params, num_output_tokens, strict=True))
         if num < p.min_tokens
     ]
     banned = [(i, ids) for i, ids in banned if ids]

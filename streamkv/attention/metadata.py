@@ -91,7 +91,7 @@ class AttentionMetadata:
             raise ValueError("query_lens, seq_lens and block_tables differ in length")
         starts = [0]
         slots: list[int] = []
-        for q, s, table in zip(query_lens, seq_lens, block_tables):
+        for q, s, table in zip(query_lens, seq_lens, block_tables, strict=True):
             if q < 1 or q > s:
                 raise ValueError(f"query length {q} must be in 1..seq_len ({s})")
             if len(table) * block_size < s:

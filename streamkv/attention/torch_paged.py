@@ -64,7 +64,9 @@ class TorchPagedAttention(AttentionBackend):
         flat_cache[1].index_copy_(0, meta.slot_mapping, value.to(kv_cache.dtype))
 
         if meta.is_pure_decode:
-            return self.decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, meta, scale, "decode")
+            return self.decode(
+                query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, meta, scale, "decode"
+            )
 
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         starts = meta.query_start_loc_cpu

@@ -303,7 +303,7 @@ class KVCacheManager:
         del self.seq_blocks[seq.seq_id]
         self.swapped[seq.seq_id] = host_ids
         cow_src = {dst: src for src, dst in self._pending_copies}
-        mapping = [(cow_src.get(b.block_id, b.block_id), h) for b, h in zip(keep, host_ids)]
+        mapping = [(cow_src.get(b.block_id, b.block_id), h) for b, h in zip(keep, host_ids, strict=True)]
         self._free_blocks(reversed(blocks))
         self._num_committed.pop(seq.seq_id, None)
         self.num_swapped_out_blocks += len(keep)
@@ -318,7 +318,7 @@ class KVCacheManager:
         del self.swapped[seq.seq_id]
         self.host.free(host_ids)
         self.seq_blocks[seq.seq_id] = blocks
-        return [(h, b.block_id) for h, b in zip(host_ids, blocks)]
+        return [(h, b.block_id) for h, b in zip(host_ids, blocks, strict=True)]
 
     # ----------------------------------------------------------- accounting
 

@@ -260,7 +260,9 @@ class Scheduler:
             if self._protected(seq):
                 needed = self._max_blocks(seq)
             else:  # its blocks, and room for the next token (a full last block needs one more)
-                needed = max(self.kv.num_swapped_blocks(seq.seq_id), cdiv(seq.num_computed_tokens + 1, self.kv.block_size))
+                needed = max(
+                    self.kv.num_swapped_blocks(seq.seq_id), cdiv(seq.num_computed_tokens + 1, self.kv.block_size)
+                )
             if needed > self.kv.num_free_blocks - self._num_reserved_blocks():
                 if self.kv.unpin_lru():
                     continue

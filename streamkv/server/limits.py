@@ -111,7 +111,8 @@ def check_stop_strings(stop: Sequence[str], config: ServerConfig, metrics: Engin
     if len(stop) > config.max_stop_strings:
         metrics.limit_refusals.labels(limit="max_stop_strings").inc()
         raise EngineError(
-            ErrorCode.INVALID_PARAMS, f"params.stop: at most {config.max_stop_strings} stop strings (--max-stop-strings)"
+            ErrorCode.INVALID_PARAMS,
+            f"params.stop: at most {config.max_stop_strings} stop strings (--max-stop-strings)",
         )
     longest = max((len(s) for s in stop), default=0)
     if longest > config.max_stop_string_length:
