@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from transformers import PreTrainedTokenizerBase
 
 from streamkv.config import ModelConfig

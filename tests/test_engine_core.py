@@ -133,7 +133,7 @@ def test_parallel_sampling_under_preemption(tiny, mode):
     ref = make_llm(tiny).generate(prompts, params)
     llm = make_llm(tiny, num_blocks=14, preemption_mode=mode, max_num_batched_tokens=32)
     outs = llm.generate(prompts, params)
-    for a, b in zip(ref, outs):
+    for a, b in zip(ref, outs, strict=True):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     c = llm.core.scheduler.counters
     assert c.preemptions_recompute + c.preemptions_swap > 0
@@ -143,6 +143,7 @@ def test_parallel_sampling_under_preemption(tiny, mode):
 def test_session_pin_computes_only_new_tokens(tiny):
     llm = make_llm(tiny)
     history = prompts_of([21], seed=9)[0]
+    pinned_tokens = 0  # the pin's length after the previous turn (read from turn 1 on)
     for turn in range(4):
         before = llm.core.scheduler.counters.computed_prompt_tokens
         out = llm.generate([history], greedy(7), session_ids=["s"])[0]

@@ -201,7 +201,7 @@ def test_bench_serve_command_and_result_parsing(tmp_path: Path) -> None:
     vllm = bench_serve.parse_result(saved)
     ours = bench_serve.parse_result({**saved, "output_throughput": 300.0, "mean_tpot_ms": 30.0, "p99_itl_ms": None})
     assert vllm["completed"] == 32 and ours["p99_itl_ms"] is None
-    rows = bench_serve.figures_rows({"random:8": {"streamkv": ours, "vllm": vllm}, "random:32": {"streamkv": {"skipped": "no /v1"}}},
-                                    ["streamkv", "vllm"])  # fmt: skip
+    results = {"random:8": {"streamkv": ours, "vllm": vllm}, "random:32": {"streamkv": {"skipped": "no /v1"}}}
+    rows = bench_serve.figures_rows(results, ["streamkv", "vllm"])
     assert rows[2][:4] == ["random", "8", "streamkv/vllm", "1.20x"] and rows[2][6] == "0.75x" and rows[2][-1] == "-"
     assert rows[3][:4] == ["random", "32", "streamkv", "skipped"]

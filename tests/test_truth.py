@@ -44,7 +44,7 @@ def hf_greedy(smollm2_checkpoint, chat_prompts):
 def test_greedy_matches_transformers_alone(smollm2, chat_prompts, hf_greedy):
     llm = LLM(loaded=smollm2, device="cpu")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for ids, want in zip(chat_prompts, hf_greedy):
+    for ids, want in zip(chat_prompts, hf_greedy, strict=True):
         (out,) = llm.generate([ids], params)
         assert out.outputs[0].token_ids == want
 

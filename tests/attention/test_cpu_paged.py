@@ -41,7 +41,9 @@ def test_pure_decode_partial_blocks_and_gqa(dtype: torch.dtype, num_heads: int, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
-def test_vectorised_head_dims_long_context(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+def test_vectorised_head_dims_long_context(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
     # SmolLM2 (9 on 3 heads, head_dim 64) and Llama-style 128 take the AVX-512 kernel, 32 the portable
     # one; contexts up to ~700 in 16-token blocks, lengths off every multiple of 16 (masked lanes).
     seq_lens = [700, 129, 1, 400, 16, 47]

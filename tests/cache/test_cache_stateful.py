@@ -134,7 +134,7 @@ class CacheMachine(RuleBasedStateMachine):
         dsts = [d for _, d in copies]
         assert len(set(dsts)) == len(dsts), f"two copies into one block: {copies}"
         data = [list(self.dev[s]) for s, _ in copies]  # a batched copy reads every source first
-        for (_, d), slots in zip(copies, data):
+        for (_, d), slots in zip(copies, data, strict=True):
             self.dev[d] = slots
 
     def sample(self, seq: Seq, token: int) -> None:

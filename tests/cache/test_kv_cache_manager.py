@@ -195,7 +195,7 @@ def test_fork_four_ways_copies_only_the_shared_partial_block() -> None:
     assert full.ref_cnt == 4  # full shared blocks are never copied
     assert len(set(copies)) == 3
     # 16 more decode steps: block 1 fills, is committed per sequence, no more copies
-    for step in range(15):
+    for _ in range(15):
         for s in seqs:
             assert decode(kv, s, 7)
     assert kv.take_copies() == [] and kv.pool.counters.cow_copies == 3

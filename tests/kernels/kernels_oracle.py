@@ -87,7 +87,7 @@ def make_case(
     cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
     flat = cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     new_k, new_v = [], []
-    for q, s, table in zip(query_lens, seq_lens, tables):
+    for q, s, table in zip(query_lens, seq_lens, tables, strict=True):
         kv = torch.randn((2, s, num_kv_heads, head_dim), generator=gen).to(dtype)
         pos = torch.arange(s)
         slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
@@ -125,7 +125,7 @@ def dense_attention(
     group = num_heads // num_kv_heads
     outs = []
     start = 0
-    for q_len, s, table in zip(query_lens, seq_lens, block_tables):
+    for q_len, s, table in zip(query_lens, seq_lens, block_tables, strict=True):
         blocks = kv_cache[:, torch.tensor(table, device=kv_cache.device)]
         kv = blocks.reshape(2, -1, num_kv_heads, head_dim)[:, :s].double()
         k = kv[0].repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, s, D]

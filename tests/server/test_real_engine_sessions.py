@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import RunningServer, chat_frame, chat_turn, connect_chat, make_server, recv_until, send_json
 
+from streamkv.cache.block import KVBlock
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.metrics import EngineMetrics
 from streamkv.model.loader import LoadedModel
@@ -41,6 +42,7 @@ def test_six_turns_compute_only_their_new_tokens(server: RunningServer) -> None:
     with connect_chat(server) as ws:
         prev = None
         sid = None
+        pinned_before: list[KVBlock] = []  # the pin after the previous turn (read from turn 1 on)
         for turn in range(6):
             before = core.scheduler.counters.computed_prompt_tokens
             t = chat_turn(ws, f"Turn {turn}: tell me something new.", params=GREEDY, timeout=60)
@@ -68,7 +70,7 @@ def test_a_conversation_crossing_max_model_len_gets_the_error_on_that_turn(
 ) -> None:
     with serve(tiny, tiny_model_dir, num_blocks=64, max_model_len=160) as srv, connect_chat(srv) as ws:
         codes = []
-        for turn in range(30):
+        for turn in range(30):  # noqa: B007 - read after the loop: the turn that crossed the limit
             t = chat_turn(ws, "Please continue the story with more words.", params=GREEDY, timeout=60)
             if t.error is not None:
                 codes.append(t.error["code"])

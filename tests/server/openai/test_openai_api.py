@@ -167,7 +167,7 @@ def test_logprobs_of_greedy_tokens_are_the_top_ones(client: openai.OpenAI) -> No
     assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == resp.choices[0].text
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) == 3 and logprob < 0
         assert max(top.values()) == pytest.approx(logprob) and top[token] == pytest.approx(logprob)
     chat = client.chat.completions.create(

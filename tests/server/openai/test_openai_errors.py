@@ -194,7 +194,11 @@ def test_engine_down_is_503(api_server: RunningServer) -> None:
     engine = api_server.engine
     engine.error = RuntimeError("engine thread crashed (simulated)")
     try:
-        for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):  # fmt: skip
+        routes = (
+            ("/v1/completions", {"prompt": "x"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        )
+        for path, body in routes:
             assert_error(post_json(api_server, path, body), 503, "engine_stopped")
         assert api_server.get("/healthz").status_code == 503
     finally:
