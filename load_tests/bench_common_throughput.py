@@ -195,7 +195,7 @@ def mixed_workload(
 
 def blocks_needed(workload: Workload, block_size: int = 16) -> int:
     """KV blocks that hold every request at once (no preemption in a static run)."""
-    return sum(-(-(len(p) + o) // block_size) for p, o in zip(workload.prompts, workload.output_lens))
+    return sum(-(-(len(p) + o) // block_size) for p, o in zip(workload.prompts, workload.output_lens, strict=True))
 
 
 def make_llm(loaded: Any, *, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int) -> Any:
@@ -303,7 +303,7 @@ def run_engine(llm: Any, workload: Workload, *, greedy: bool = True) -> EngineRu
     try:
         t0 = time.perf_counter()
         arrival = time.monotonic()
-        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
+        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
             params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=n, ignore_eos=True)
             core.add_request(f"bench-{id(workload)}-{i}", prompt, params, sink_for(i), arrival_time=arrival)
         while core.has_work():
@@ -345,7 +345,7 @@ def greedy_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> 
     nearly tie, so a low figure means a bug, not noise.
     """
     exact, prefix = 0, 0.0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         n = min(len(x), len(y))
         k = next((i for i in range(n) if x[i] != y[i]), n)
         exact += k == n

@@ -83,7 +83,7 @@ def run_once(loaded: Any, budget: int, a: argparse.Namespace, seed: int) -> dict
     during, before = [], []
     for rid in rids:
         ts = stamps[rid]
-        for prev, cur in zip(ts, ts[1:]):
+        for prev, cur in zip(ts, ts[1:], strict=False):
             if cur > arrival and prev < first:
                 during.append(cur - prev)
             elif cur <= arrival:

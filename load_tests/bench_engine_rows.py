@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             agree = None
             if reference is not None:
                 got = run.token_ids[0]
-                agree = next((i for i, (x, y) in enumerate(zip(got, reference)) if x != y), len(reference))
+                pairs = enumerate(zip(got, reference, strict=False))
+                agree = next((i for i, (x, y) in pairs if x != y), len(reference))
             ttft = statistics.fmean(run.ttft_s)
             name = f"streamkv {dtype} ({llm.core.backend.name} attention)"
             agree_s = "n/a" if agree is None else f"{agree}/{OUTPUT_LEN}"
@@ -246,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     if note:
         print("NOTE: " + note)
     if args.out is not None:
-        args.out.write_text(json.dumps({"machine": info, "contention": note, "rows": rows, "breakdown": breakdowns}, indent=2))
+        doc = {"machine": info, "contention": note, "rows": rows, "breakdown": breakdowns}
+        args.out.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.out}")
     return 0
 

@@ -96,7 +96,7 @@ def time_loop(fn: Callable[[], None], min_s: float, min_iters: int) -> tuple[flo
 def linear_ceiling(dense_w: list[torch.Tensor], packed_w: list[torch.Tensor], batch: int, min_s: float) -> dict:
     xs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in dense_w}
     dense_args = [(xs[w.shape[1]], w) for w in dense_w]
-    packed_args = [(xs[d.shape[1]], p) for d, p in zip(dense_w, packed_w)]
+    packed_args = [(xs[d.shape[1]], p) for d, p in zip(dense_w, packed_w, strict=True)]
     linear = F.linear
     pointwise = torch.ops.mkldnn._linear_pointwise
 
@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=None, help="prompt tokens per sequence (default 128; quick 32)")
     p.add_argument("--warmup-steps", type=int, default=4)
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 32; quick 6)")
-    p.add_argument("--breakdown-batch", type=int, default=None, help="batch of the step breakdown (default 32; quick 8)")
+    p.add_argument(
+        "--breakdown-batch", type=int, default=None, help="batch of the step breakdown (default 32; quick 8)"
+    )
     p.add_argument("--breakdown-steps", type=int, default=None, help="instrumented steps (default 10; quick 3)")
     p.add_argument("--min-seconds", type=float, default=None, help="timing window per ceiling (default 2; quick 0.3)")
     p.add_argument("--no-profile", action="store_true", help="skip torch.profiler and cProfile tables")
@@ -181,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = []
     print(f"{'batch':>5s} {'F.linear ms':>12s} {'packed ms':>10s} {'ceiling tok/s':>14s} {'GFLOP/s':>8s} "
-          f"{'weights GB/s':>12s} | {'engine tok/s':>12s} {'median step ms':>14s} {'context':>9s} {'of ceiling':>10s}")  # fmt: skip
+          f"{'weights GB/s':>12s} | {'engine tok/s':>12s} {'median step ms':>14s} "
+          f"{'context':>9s} {'of ceiling':>10s}")  # fmt: skip
     for b in batches:
         c = linear_ceiling(dense_w, packed_w, b, min_s)
         e = engine_decode(models.loaded, b, context, args.warmup_steps, decode_steps, args.seed)

@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         import llama_cpp  # noqa: F401
     except ImportError as e:
         print(f"SKIP: llama_cpp is not importable ({e}). Install the bench extra: "
-              "CMAKE_ARGS='-DGGML_NATIVE=ON' .venv/bin/pip install -e '.[bench]' (builds from source, ~5 min)")  # fmt: skip
+              "CMAKE_ARGS='-DGGML_NATIVE=ON' .venv/bin/pip install -e '.[bench]' "
+              "(builds from source, ~5 min)")  # fmt: skip
         return 0
 
     from streamkv.model.loader import default_model_path
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         print("NOTE: " + note)
     if args.out is not None:
         rows = [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results]
-        args.out.write_text(json.dumps({"machine": info, "contention": note, "rows": rows, "goals": verdicts}, indent=2))
+        doc = {"machine": info, "contention": note, "rows": rows, "goals": verdicts}
+        args.out.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.out}")
     return 0
 
@@ -370,15 +372,16 @@ def _compare(results: list[Result], batches: list[int]) -> list[str]:
                                ours[big].output_tok_s / peer.output_tok_s, GOAL_BATCHED))  # fmt: skip
     if 1 in batches and (peer := best(1, "decode_tok_s")) is not None and 1 in ours:
         lines.append(goal_line(f"single-stream decode, {peer.engine} tok/s / ours",
-                               peer.decode_tok_s / ours[1].decode_tok_s, GOAL_SINGLE, higher_is_better=False))  # fmt: skip
+                               peer.decode_tok_s / ours[1].decode_tok_s, GOAL_SINGLE,
+                               higher_is_better=False))  # fmt: skip
     for line in lines:
         print(line)
     for r in results:  # every configuration that beats us on some figure, said plainly
         o = ours.get(r.batch)
         if r.engine == "streamkv" or o is None:
             continue
-        wins = [f"{n} {a:.1f} vs {c:.1f}" for n, a, c in (("output tok/s", r.output_tok_s, o.output_tok_s),
-                                                          ("decode tok/s", r.decode_tok_s, o.decode_tok_s)) if a > c]  # fmt: skip
+        compared = (("output tok/s", r.output_tok_s, o.output_tok_s), ("decode tok/s", r.decode_tok_s, o.decode_tok_s))
+        wins = [f"{n} {a:.1f} vs {c:.1f}" for n, a, c in compared if a > c]
         if r.ttft_mean_s < o.ttft_mean_s:
             wins.append(f"TTFT mean {_secs(r.ttft_mean_s)} vs {_secs(o.ttft_mean_s)}")
         if wins:

@@ -153,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         out = Path(a.out)
         write_json(out, {**header, "args": vars(a), "turns": results, "goals": goals,
-                         "sharing": [dict(zip(cols2, r)) for r in part2]})  # fmt: skip
-        plot_ttft_by_turn(results, out.with_suffix(".png"), f"TTFT by turn ({loaded.name}, {a.system_tokens}-token system prompt)")
+                         "sharing": [dict(zip(cols2, r, strict=True)) for r in part2]})  # fmt: skip
+        title = f"TTFT by turn ({loaded.name}, {a.system_tokens}-token system prompt)"
+        plot_ttft_by_turn(results, out.with_suffix(".png"), title)
     return 0
 
 

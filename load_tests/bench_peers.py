@@ -102,7 +102,9 @@ def parse_range(text: str) -> tuple[int, int]:
 def make_workloads(args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any]]:
     """Uniform workloads ``B=<n>`` (prompt 0 shared by all) and, unless ``--no-mixed``, ``mixed``."""
     rng = random.Random(args.seed)
-    base = [[rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(args.prompt_len)] for _ in range(max(args.batches))]
+    base = [
+        [rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(args.prompt_len)] for _ in range(max(args.batches))
+    ]
     out = [{"name": f"B={b}", "prompts": base[:b], "output_lens": [args.new_tokens] * b} for b in args.batches]
     if args.mixed_requests:
         mrng = random.Random(args.seed + 1)
@@ -141,7 +143,7 @@ def runner_command(v: Variant, args: argparse.Namespace) -> tuple[list[str], dic
 def run_variant(v: Variant, args: argparse.Namespace, workloads: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
     """Run one variant's subprocess (bounded by ``--engine-timeout``); return its result JSON."""
     cmd, env, extra = runner_command(v, args)
-    max_len = max(len(p) + o for w in workloads for p, o in zip(w["prompts"], w["output_lens"]))
+    max_len = max(len(p) + o for w in workloads for p, o in zip(w["prompts"], w["output_lens"], strict=True))
     spec = {
         "engine": v.engine, "variant": v.name, "dtype": v.dtype, "quantization": v.quantization,
         "threads": args.threads, "repeats": args.repeats, "kv_cache_gib": args.kv_cache_gib,
@@ -157,7 +159,8 @@ def run_variant(v: Variant, args: argparse.Namespace, workloads: list[dict[str, 
     with open(log_path, "w") as log:
         # Its own process group: on a timeout the engine's children (vLLM's engine core) go too.
         proc = subprocess.Popen([*cmd, "--spec", str(spec_path), "--out", str(out_path)], stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)  # fmt: skip
+                                stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                start_new_session=True)  # fmt: skip
         try:
             proc.wait(args.engine_timeout)
         except subprocess.TimeoutExpired:
@@ -166,7 +169,8 @@ def run_variant(v: Variant, args: argparse.Namespace, workloads: list[dict[str, 
     wall = time.perf_counter() - t0
     if not out_path.is_file():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-        result: dict[str, Any] = {"engine": v.engine, "variant": v.name, "error": f"no result after {wall:.0f} s:\n{tail}"}
+        error = f"no result after {wall:.0f} s:\n{tail}"
+        result: dict[str, Any] = {"engine": v.engine, "variant": v.name, "error": error}
     else:
         result = json.loads(out_path.read_text())
     result["env"], result["wall_s"] = env, wall
@@ -320,7 +324,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    header = print_header("streamkv against transformers, vLLM CPU and OpenVINO GenAI (offline)", "load_tests.bench_peers")
+    header = print_header(
+        "streamkv against transformers, vLLM CPU and OpenVINO GenAI (offline)", "load_tests.bench_peers"
+    )
     load_before = os.getloadavg()
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     args.hf_model = peer_setup.ensure_hf_model(args.cache_dir)
@@ -343,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     goals = check_goals(results, args.batches, at)
     for name, res in results.items():
         if "config" in res:
-            print(f"{name}: {res.get('versions')} {res['config']} env {res.get('env')} load {res.get('load_s', 0):.0f} s")
+            print(
+                f"{name}: {res.get('versions')} {res['config']} env {res.get('env')} load {res.get('load_s', 0):.0f} s"
+            )
     if args.out is not None:
         write_json(args.out, {**header, "args": {k: str(v) for k, v in vars(args).items()}, "results": results,
                               "medians": {n: medians(r) for n, r in results.items()}, "goals": goals,

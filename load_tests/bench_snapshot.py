@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from streamkv.llm import LLM
 
     rows, results, goals = [], [], []
-    for nb, limit in zip(sizes, limits):
+    for nb, limit in zip(sizes, limits, strict=True):
         core = LLM(loaded=loaded, device="cpu", num_blocks=nb, swap_space=0, max_pinned_fraction=1.0).core
         mix = populate(core, a, random.Random(a.seed))
         for include in (True, False):

@@ -154,7 +154,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 1
     """A markdown table (pastes into docs/benchmarks.md as is)."""
     cells = [[str(h) for h in headers]] + [[fmt(c, digits) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + " |" for r in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
 

@@ -149,11 +149,12 @@ def bench_decode(cfg: BenchConfig, batch: int, context: int) -> dict[str, Any]:
     scale = cfg.head_dim**-0.5
     q4 = query[:, :, None]  # [B, Hq, 1, D]
 
+    # F821 below is a false positive: the closures run before the `del` at the end frees these names
     def triton_fn() -> torch.Tensor:
-        return paged_decode(query, kv_cache, block_tables, seq_lens, scale, max_seq_len=context)
+        return paged_decode(query, kv_cache, block_tables, seq_lens, scale, max_seq_len=context)  # noqa: F821
 
     def sdpa_fn() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)[:, :, 0]
+        return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)[:, :, 0]  # noqa: F821
 
     row: dict[str, Any] = {"batch": batch, "context": context,
                            "num_splits": default_num_splits(batch, cfg.num_kv_heads, context),
@@ -183,8 +184,11 @@ def bench_extend(cfg: BenchConfig, context: int) -> dict[str, Any]:
     k_rep = k.repeat_interleave(group, dim=1)
     v_rep = v.repeat_interleave(group, dim=1)
 
+    # F821 below is a false positive: the closures run before the `del` at the end frees these names
     def triton_fn() -> torch.Tensor:
-        return paged_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=chunk)
+        return paged_prefill(
+            query, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=chunk  # noqa: F821
+        )
 
     baseline = "sdpa(repeat_kv, causal_lower_right)"
     try:
@@ -198,7 +202,7 @@ def bench_extend(cfg: BenchConfig, context: int) -> dict[str, Any]:
         mask = torch.ones(chunk, seq_len, dtype=torch.bool, device=cfg.device).tril_(context)
 
     def sdpa_fn() -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q_dense, k_rep, v_rep, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q_dense, k_rep, v_rep, attn_mask=mask, scale=scale)  # noqa: F821
         return out.transpose(1, 2).reshape(batch * chunk, cfg.num_heads, cfg.head_dim)
 
     row: dict[str, Any] = {"batch": batch, "chunk": chunk, "context": context, "baseline": baseline}
@@ -243,7 +247,7 @@ def bench_e2e(device: str, num_prompts: int, max_tokens: int, backend: str, dtyp
     reference = LLM(loaded=llm.core.loaded, device=device, attention_backend="torch")
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], greedy)]
     theirs = [o.outputs[0].token_ids for o in reference.generate(prompts[:4], greedy)]
-    agree = sum(a == b for a, b in zip(ours, theirs)) / len(ours)
+    agree = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
     return {"backend": llm.core.backend.name, "dtype": str(llm.core.loaded.dtype).removeprefix("torch."),
             "greedy_vs_torch": agree, "num_prompts": num_prompts, "max_tokens": max_tokens,
             "generated_tokens": total_tokens,

@@ -36,18 +36,17 @@ if not __package__:  # run as a file: make `load_tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from load_tests.common import (
     WORDS,
+    SpawnedServer,
     ensure_tiny_model,
     fmt,
     http_get_json,
     make_parser,
     percentile,
     print_header,
-    SpawnedServer,
     table,
     write_json,
 )
 from load_tests.plots import plot_loadgen
-
 
 
 @dataclass(slots=True)

@@ -140,7 +140,8 @@ def run_all(engine: Any, spec: dict[str, Any], workloads: list[Workload]) -> lis
             res.runs.append(log.record(wl))
             res.prompt0_output_ids = list(outputs[0])
         print(f"[{spec['engine']} {spec.get('variant', '')}] {wl.name}: "
-              + ", ".join(f"{r.output_tok_s:.1f}" for r in res.runs) + " output tok/s", file=sys.stderr, flush=True)  # fmt: skip
+              + ", ".join(f"{r.output_tok_s:.1f}" for r in res.runs) + " output tok/s",
+              file=sys.stderr, flush=True)  # fmt: skip
         results.append(res)
     return results
 

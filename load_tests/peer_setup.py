@@ -67,7 +67,9 @@ def log(msg: str) -> None:
     print(f"[peer-setup] {msg}", file=sys.stderr, flush=True)
 
 
-def run_logged(cmd: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, timeout_s: float = 3600) -> None:
+def run_logged(
+    cmd: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, timeout_s: float = 3600
+) -> None:
     """Run ``cmd`` with its output appended to ``log_path``.
 
     Raises:
@@ -79,7 +81,8 @@ def run_logged(cmd: Sequence[str], log_path: Path, env: Mapping[str, str] | None
         f.flush()
         rc: int | None = None
         with contextlib.suppress(subprocess.TimeoutExpired):
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False).returncode
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False)
+            rc = proc.returncode
     if rc != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
         why = "timed out" if rc is None else f"exit {rc}"
@@ -114,7 +117,9 @@ class Step:
 
 def dist_version(python: Path, dist: str) -> str | None:
     """The installed version of distribution ``dist`` in the venv of ``python``, or None."""
-    code = "import importlib.metadata as m, sys\ntry: print(m.version(sys.argv[1]))\nexcept m.PackageNotFoundError: pass"
+    code = (
+        "import importlib.metadata as m, sys\ntry: print(m.version(sys.argv[1]))\nexcept m.PackageNotFoundError: pass"
+    )
     out = subprocess.run([str(python), "-c", code, dist], capture_output=True, text=True, timeout=60, check=False)
     return out.stdout.strip() or None
 
@@ -280,7 +285,8 @@ def ensure_hf_model(cache: Path) -> Path:
         want, got = model.state_dict(), again.state_dict()
         differ = [k for k in want if k not in got or not torch.equal(want[k], got[k])]
         if differ or set(got) - set(want):
-            raise RuntimeError(f"saved weights differ from the GGUF load: {differ[:5]} {sorted(set(got) - set(want))[:5]}")
+            extra = sorted(set(got) - set(want))[:5]
+            raise RuntimeError(f"saved weights differ from the GGUF load: {differ[:5]} {extra}")
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return out
@@ -295,8 +301,8 @@ def ensure_openvino_ir(cache: Path, ov: OpenVinoVenv, hf_folder: Path, weight_fo
             return out
         tmp = cache / f".openvino-ir-{weight_format}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [str(ov.optimum_cli), "export", "openvino", "--model", str(hf_folder), "--task", "text-generation-with-past",
-               "--weight-format", weight_format, str(tmp)]  # fmt: skip
+        cmd = [str(ov.optimum_cli), "export", "openvino", "--model", str(hf_folder),
+               "--task", "text-generation-with-past", "--weight-format", weight_format, str(tmp)]  # fmt: skip
         run_logged(cmd, cache / "logs" / "openvino-export.log")
         tmp.rename(out)
     return out

@@ -48,7 +48,8 @@ class Engine:
         s = self.sched
         return {"ir": self.ir, "properties": self.properties, "cache_size_gb": s.cache_size,
                 "max_num_batched_tokens": s.max_num_batched_tokens, "max_num_seqs": s.max_num_seqs,
-                "enable_prefix_caching": s.enable_prefix_caching, "dynamic_split_fuse": s.dynamic_split_fuse}  # fmt: skip
+                "enable_prefix_caching": s.enable_prefix_caching,
+                "dynamic_split_fuse": s.dynamic_split_fuse}  # fmt: skip
 
     def generate(self, workload: Workload, log: EventLog) -> list[list[int]]:
         import time
@@ -61,7 +62,7 @@ class Engine:
         outputs: list[list[int]] = [[] for _ in workload.prompts]
         tensors = [openvino.Tensor(np.array([p], dtype=np.int64)) for p in workload.prompts]
         log.start()
-        for i, (ids, n) in enumerate(zip(tensors, workload.output_lens)):
+        for ids, n in zip(tensors, workload.output_lens, strict=True):
             cfg = ov_genai.GenerationConfig()
             cfg.max_new_tokens = n
             cfg.min_new_tokens = n

@@ -47,7 +47,9 @@ class Engine:
         import torch
 
         repo = Path(__file__).resolve().parent.parent
-        git = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
+        git = subprocess.run(
+            ["git", "-C", str(repo), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
+        )
         return {"streamkv": importlib.metadata.version("streamkv"), "git": git.stdout.strip() or "?",
                 "torch": torch.__version__}  # fmt: skip
 
@@ -76,7 +78,7 @@ class Engine:
         self._n += 1
         log.start()
         arrival = time.monotonic()
-        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
+        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
             params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             core.add_request(f"run{self._n}-{i}", prompt, params, sink_for(i), arrival_time=arrival)
         while core.has_work():

@@ -49,7 +49,7 @@ class Engine:
         outputs: list[list[int]] = [[] for _ in workload.prompts]
         index: dict[str, int] = {}
         log.start()
-        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
+        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
             self._n += 1
             rid = f"r{self._n}"
             index[rid] = i

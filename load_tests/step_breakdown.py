@@ -173,7 +173,9 @@ def step_breakdown(loaded: Any, batch: int, context: int, steps: int, seed: int)
     decode = ms.get("      paged decode (gather+bmm)", 0.0)
     ms["      KV write (index_copy_ x2)"] = max(0.0, attn - decode)
     fwd = ms.get("  model forward (total)", 0.0)
-    accounted = lin + attn + ms.get("    rmsnorm", 0.0) + ms.get("    rope", 0.0) + ms["    activation (silu*up, split)"]
+    accounted = (
+        lin + attn + ms.get("    rmsnorm", 0.0) + ms.get("    rope", 0.0) + ms["    activation (silu*up, split)"]
+    )
     ms["    rest of forward (embedding, residual adds, views, rope index)"] = max(0.0, fwd - accounted)
     ex = ms.get("runner.execute (total)", 0.0)
     ms["  input tensors, row gather"] = max(
