@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamkv.cache.block import STATE_NAMES
-from streamkv.cache.kv_cache_manager import KVCacheStats
+from streamkv.cache.cache_stats import KVCacheStats
 from streamkv.output_processor import OutputStats
 from streamkv.sched.scheduler import SchedulerStats
 
