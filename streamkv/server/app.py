@@ -6,7 +6,7 @@ Routes::
     GET /static/...  files under web/
     GET /healthz     {"status": "ok"|"degraded"|"error", "model": ..., "max_model_len": ...}
     GET /metrics     Prometheus text format
-    GET /api/stats   engine.snapshot() as JSON (?session_id= limits session_blocks)
+    GET /api/stats   engine.snapshot() as JSON (?session_id=: the viewer's own blocks)
     WS  /ws/chat     chat sessions (chat_ws.py)
     WS  /ws/stats    snapshots every ServerConfig.stats_interval s (stats_ws.py)
     /v1/..., /tokenize, /detokenize   the OpenAI-compatible API (openai/)

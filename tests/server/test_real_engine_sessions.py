@@ -134,3 +134,23 @@ def test_metrics_count_a_real_workload(server: RunningServer) -> None:
     assert samples[("streamkv_generation_tokens_total", ())] >= GREEDY["max_tokens"] + 1
     assert samples[("streamkv_time_to_first_token_seconds_count", ())] == 2
     assert 0.0 <= samples[("streamkv_kv_cache_usage_perc", ())] <= 1.0
+
+
+def test_stats_never_name_another_session(server: RunningServer) -> None:
+    """Session ids are capabilities: a viewer sees its own blocks, others' only as anonymous states."""
+    import orjson
+
+    with connect_chat(server) as a, connect_chat(server) as b:
+        sid_a = chat_turn(a, "Hello there, session A.", params=GREEDY, timeout=60).session_id
+        sid_b = chat_turn(b, "Hello there, session B.", params=GREEDY, timeout=60).session_id
+        anonymous = server.get("/api/stats")
+        assert anonymous.json()["session_blocks"] == {}
+        assert sid_a not in anonymous.text and sid_b not in anonymous.text
+        own = server.get(f"/api/stats?session_id={sid_a}")
+        blocks = own.json()["session_blocks"]
+        assert list(blocks) == [sid_a] and blocks[sid_a]
+        assert sid_b not in own.text
+        assert own.json()["counts"]["pinned"] >= 2  # B's pin still shows, by state only
+        with connect_chat(server, f"/ws/stats?session_id={sid_b}") as stats:
+            text = stats.recv(timeout=10)
+        assert sid_a not in text and list(orjson.loads(text)["session_blocks"]) == [sid_b]
