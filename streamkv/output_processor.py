@@ -237,7 +237,7 @@ class OutputProcessor:
     def _emit(self, state: RequestState, deltas: list[CompletionDelta]) -> None:
         req = state.request
         finished = req.finished
-        out = RequestOutput(req.request_id, deltas, finished)
+        out = RequestOutput(req.request_id, deltas, finished, num_cached_tokens=req.num_cached_tokens)
         first = req.seqs[0].first_token_time
         if first is not None:
             out.ttft_s = first - req.arrival_time

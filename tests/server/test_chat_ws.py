@@ -207,7 +207,10 @@ def test_resume_after_reconnect(server: RunningServer, engine: FakeEngine) -> No
         bogus = chat_turn(ws, "x", session_id="not-a-session")
         assert bogus.error is not None and bogus.error["code"] == "unknown_session"
         t2 = chat_turn(ws, "what?", session_id=sid, params={"max_tokens": 2})
-        assert t2.frames[0] == {"type": "session", "session_id": sid, "resumed": True}
+        num_tokens = len(chat.first_turn("remember", None)) + len(t1.token_ids[0])
+        assert t2.frames[0] == {
+            "type": "session", "session_id": sid, "resumed": True, "num_turns": 1, "num_tokens": num_tokens
+        }
         p1 = chat.first_turn("remember", None)
         assert engine.requests[-1].prompt_ids == p1 + t1.token_ids[0] + chat.next_turn("what?", False)
         with connect_chat(server) as other:  # held by the first socket
