@@ -71,7 +71,10 @@ def create_app(
     web = DEFAULT_WEB_DIR if web_dir is None else web_dir
     origins = OriginPolicy(server_config.allowed_origins)
     install_log_filters()
-    sessions = SessionRegistry(engine.release_session, server_config.session_ttl)
+    sessions = SessionRegistry(
+        engine.release_session, server_config.session_ttl, max_sessions=server_config.max_sessions
+    )
+    metrics.attach_sessions(lambda: len(sessions) - sessions.num_detached, lambda: sessions.num_detached)
     metrics.attach(lambda: engine.snapshot(include_blocks=False))
 
     @contextlib.asynccontextmanager
