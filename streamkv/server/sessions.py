@@ -9,7 +9,7 @@ Lifecycle (one place; an illegal transition raises)::
     create ──> IDLE ──turn──> GENERATING ──turn ends──> IDLE
                IDLE ──socket closes, resumable──> DETACHED ──resume──> IDLE
                IDLE ──reset / socket closes / shutdown──> CLOSED
-           DETACHED ──idle past session_ttl / shutdown──> CLOSED
+           DETACHED ──idle past session_ttl / evicted at max_sessions / shutdown──> CLOSED
 
 A turn always ends (GENERATING -> IDLE) before its socket lets go of the
 session, so a session is never detached or released mid-turn.
