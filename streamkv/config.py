@@ -144,6 +144,9 @@ class ServerConfig:
         port: TCP port.
         stats_interval: seconds between ``/ws/stats`` snapshots.
         session_ttl: seconds an idle (detached) session keeps its pin and history.
+        max_sessions: most live chat sessions; a new one over it evicts the
+            longest-detached session, or is refused when none is detached;
+            ``None`` = no cap.
         allowed_origins: origins (``scheme://host[:port]``) allowed to open a
             WebSocket besides the server's own; ``("*",)`` allows any.
         max_connections: most open WebSockets plus HTTP requests in flight
@@ -161,6 +164,7 @@ class ServerConfig:
     port: int = 8000
     stats_interval: float = 0.25
     session_ttl: float = 600.0
+    max_sessions: int | None = 4096
     allowed_origins: tuple[str, ...] = ()
     max_connections: int | None = 1024
     idle_timeout: float = 600.0
@@ -177,6 +181,8 @@ class ServerConfig:
             raise ValueError("stats_interval must be positive")
         if self.session_ttl <= 0:
             raise ValueError("session_ttl must be positive")
+        if self.max_sessions is not None and self.max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         if self.idle_timeout <= 0:

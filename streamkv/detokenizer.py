@@ -11,6 +11,13 @@ Two rules clients can rely on:
 
 Concatenating every delta gives the final text.
 
+Token ids travel with their text: a delta releases the ids of exactly the
+tokens whose text it completes, so text held back holds its ids back too,
+and each delta's ids decode to its text. Hence the hold-back is rounded out
+to whole tokens. The one exception is the delta that ends on a stop string:
+it releases every remaining id, the stop string's tokens included (they are
+part of the sequence), while its text ends before the stop string.
+
 Stop strings are matched by one Knuth-Morris-Pratt automaton each, fed the
 new characters only: a token costs O(new characters x stop strings)
 amortized, whatever the length of the text or of the stop strings (the
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
@@ -85,6 +93,21 @@ def _failure_table(s: str) -> array:
     return f
 
 
+@dataclass(slots=True)
+class DetokenizedDelta:
+    """What one token (or a flush) releases.
+
+    Attributes:
+        text: characters released.
+        token_ids: ids of the tokens whose text ``text`` completes (see the module docstring).
+        stopped: a stop string appeared; ``text`` ends right before it.
+    """
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    stopped: bool = False
+
+
 class IncrementalDetokenizer:
     """Turns one sequence's output token ids into text deltas.
 
@@ -105,18 +128,25 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self.text = ""  # all decoded output text (before stop truncation)
         self.num_emitted = 0  # characters of self.text already returned
+        # Output tokens not yet released, oldest first, and where each one's text
+        # ends in self.text: None until it is decoded (an incomplete UTF-8 character).
+        self._pending_ids: list[int] = []
+        self._pending_ends: list[int | None] = []
 
     def _decode(self, ids: list[int]) -> str:
         # one flat id list decodes to one string (the list[str] in decode's type is for batches)
         return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
-    def add_token(self, token_id: int) -> tuple[str, bool]:
-        """Feed one token; return ``(delta, stopped)``.
+    def add_token(self, token_id: int) -> DetokenizedDelta:
+        """Feed one token; return what it releases.
 
-        ``stopped`` is True when a stop string appeared: the delta then ends
-        right before it and the sequence must finish with reason ``stop``.
+        ``stopped`` is True when a stop string appeared: the text then ends
+        right before it, every remaining token id is released, and the
+        sequence must finish with reason ``stop``.
         """
         self._ids.append(token_id)
+        self._pending_ids.append(token_id)
+        self._pending_ends.append(None)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         piece = ""
@@ -126,20 +156,39 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
         offset = len(self.text)
         self.text += piece
+        if piece:
+            ends = self._pending_ends
+            i = len(ends) - 1
+            while i >= 0 and ends[i] is None:
+                ends[i] = len(self.text)
+                i -= 1
         if self._matcher is not None:
             cut = self._matcher.feed(piece, offset) if piece else None
             if cut is not None:
                 self.text = self.text[:cut]
-                return self._emit(len(self.text)), True
-            return self._emit(len(self.text) - self._matcher.held_back()), False
-        return self._emit(len(self.text)), False
-
-    def flush(self) -> str:
-        """Return everything still held back (generation ended without a stop string)."""
+                delta = self._emit(len(self.text), all_ids=True)
+                delta.stopped = True
+                return delta
+            return self._emit(len(self.text) - self._matcher.held_back())
         return self._emit(len(self.text))
 
-    def _emit(self, upto: int) -> str:
+    def flush(self) -> DetokenizedDelta:
+        """Release everything still held back (generation ended without a stop string)."""
+        return self._emit(len(self.text), all_ids=True)
+
+    def _emit(self, upto: int, all_ids: bool = False) -> DetokenizedDelta:
+        """Release the whole tokens whose text ends at or before ``upto`` (all of them with ``all_ids``)."""
+        n = len(self._pending_ids)
+        if not all_ids:
+            n, end = 0, self.num_emitted
+            for token_end in self._pending_ends:
+                if token_end is None or token_end > upto:
+                    break
+                n, end = n + 1, token_end
+            upto = end
+        ids = self._pending_ids[:n]
+        del self._pending_ids[:n], self._pending_ends[:n]
         upto = max(upto, self.num_emitted)
-        delta = self.text[self.num_emitted : upto]
+        text = self.text[self.num_emitted : upto]
         self.num_emitted = upto
-        return delta
+        return DetokenizedDelta(text, ids)

@@ -132,14 +132,27 @@ class EngineMetrics:
         self.rejected_origins = Counter(
             "streamkv_rejected_origins", "WebSocket handshakes refused by the Origin check.", registry=r
         )
+        self.chat_sessions = Gauge(
+            "streamkv_chat_sessions",
+            "Live chat sessions: attached to a socket, or resumable (detached, until --session-ttl).",
+            ["state"],
+            registry=r,
+        )
         for kind in ("http", "websocket"):
             self.open_connections.labels(kind=kind)
+        for state in ("attached", "resumable"):
+            self.chat_sessions.labels(state=state)
         for limit in LIMITS:
             self.limit_refusals.labels(limit=limit)
         self._snapshot_collector = _SnapshotCollector()
         r.register(self._snapshot_collector)
 
     # ------------------------------------------------------------ public API
+
+    def attach_sessions(self, num_attached: Callable[[], int], num_detached: Callable[[], int]) -> None:
+        """Read the chat session counts at each scrape: ``attached`` to a socket, ``resumable`` (detached)."""
+        self.chat_sessions.labels(state="attached").set_function(num_attached)
+        self.chat_sessions.labels(state="resumable").set_function(num_detached)
 
     def attach(self, snapshot_fn: SnapshotFn | None) -> None:
         """Read gauges and engine counters from ``snapshot_fn()`` at each scrape (None detaches)."""

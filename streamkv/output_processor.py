@@ -41,6 +41,14 @@ class SampleState:
 
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator
+    # logprobs of sampled tokens whose ids the detokenizer still holds back (they travel together)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def take_logprobs(self, n: int | None) -> list[TokenLogprob] | None:
+        """The oldest ``n`` held logprobs (all with ``None``); ``None`` when there are none."""
+        taken = self.logprobs[:n] if n is not None else self.logprobs[:]
+        del self.logprobs[: len(taken)]
+        return taken or None
 
 
 @dataclass(slots=True)
@@ -151,13 +159,17 @@ class OutputProcessor:
     ) -> None:
         """Append ``tokens[i]`` to ``seqs[i]``, end samples that stop, emit one output per request.
 
-        ``logprobs[i]``, when given, rides on ``seqs[i]``'s delta (``None`` for rows that did not ask).
+        ``logprobs[i]``, when given, rides on ``seqs[i]``'s delta (``None`` for rows that did not ask),
+        held back with its token id while the detokenizer holds that id back: a delta's
+        ``token_ids``, ``text`` and ``logprobs`` always describe the same tokens.
         """
         deltas: dict[str, list[CompletionDelta]] = {}
         for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             delta = self._append_token(seq, token, now)
-            if logprobs is not None:
-                delta.logprobs = logprobs[i]
+            if logprobs is not None and logprobs[i] is not None:
+                sample = self.requests[seq.request.request_id].samples[seq.index]
+                sample.logprobs.extend(logprobs[i] or ())
+                delta.logprobs = sample.take_logprobs(len(delta.token_ids))
             deltas.setdefault(seq.request.request_id, []).append(delta)
         self.generation_tokens += len(seqs)
         self._history.append((now, self.generation_tokens))
@@ -173,8 +185,10 @@ class OutputProcessor:
         for seq in state.request.seqs:
             if not seq.status.finished:
                 self._finish(seq, SeqStatus.FINISHED_ABORTED)
-                text = state.samples[seq.index].detokenizer.flush()
-                deltas.append(CompletionDelta(seq.index, [], text, FinishReason.CANCELLED))
+                sample = state.samples[seq.index]
+                rest = sample.detokenizer.flush()
+                held = sample.take_logprobs(None)
+                deltas.append(CompletionDelta(seq.index, rest.token_ids, rest.text, FinishReason.CANCELLED, held))
         self._emit(state, deltas)
         return True
 
@@ -204,23 +218,26 @@ class OutputProcessor:
         status = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             status = SeqStatus.FINISHED_STOPPED
-            text = detok.flush()
+            out = detok.flush()
+            out.token_ids.append(token)  # never fed to the detokenizer; EOS and stop ids decode to no text
         else:
-            text, stopped = detok.add_token(token)
-            if stopped:
+            out = detok.add_token(token)
+            if out.stopped:
                 status = SeqStatus.FINISHED_STOPPED
             elif seq.num_output_tokens >= req.max_tokens or seq.num_tokens >= self.max_model_len:
                 status = SeqStatus.FINISHED_LENGTH
-                text += detok.flush()
+                rest = detok.flush()
+                out.text += rest.text
+                out.token_ids += rest.token_ids
         if status is None:
-            return CompletionDelta(seq.index, [token], text)
+            return CompletionDelta(seq.index, out.token_ids, out.text)
         self._finish(seq, status)
-        return CompletionDelta(seq.index, [token], text, status.finish_reason)
+        return CompletionDelta(seq.index, out.token_ids, out.text, status.finish_reason)
 
     def _emit(self, state: RequestState, deltas: list[CompletionDelta]) -> None:
         req = state.request
         finished = req.finished
-        out = RequestOutput(req.request_id, deltas, finished)
+        out = RequestOutput(req.request_id, deltas, finished, num_cached_tokens=req.num_cached_tokens)
         first = req.seqs[0].first_token_time
         if first is not None:
             out.ttft_s = first - req.arrival_time

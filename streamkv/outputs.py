@@ -79,6 +79,9 @@ class RequestOutput:
         usage: set when finished.
         ttft_s: seconds from arrival to the first token (set once known).
         e2e_s: seconds from arrival to finish (set when finished).
+        num_cached_tokens: prompt tokens served from the prefix cache or the
+            session's pin (on every output, so a consumer that stops reading
+            early still knows it).
     """
 
     request_id: str
@@ -87,6 +90,7 @@ class RequestOutput:
     usage: Usage | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
+    num_cached_tokens: int | None = None
 
 
 @dataclass(slots=True)

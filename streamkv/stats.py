@@ -46,8 +46,10 @@ def snapshot_json(stats: EngineStats, session_id: str | None = None, include_blo
     ``requests``, ``sessions``, ``counters``, ``finished``, ``tokens_per_s``
     (over the last 5 s, as of now); with ``include_blocks`` also ``states``
     (base64, one byte per block, see ``state_names``) and ``session_blocks``
-    (session id -> block ids: pins and the turn in flight; only
-    ``session_id``'s when given).
+    (``{session_id: block ids}``, its pin or its turn in flight; empty
+    without a ``session_id``). Session ids are capabilities (holding one is
+    enough to resume the conversation), so a snapshot never names a session
+    other than the caller's own: other sessions' blocks show only as states.
     """
     kv, sc, out = stats.kv, stats.scheduler, stats.outputs
     counts = {name: kv.states.count(i) for i, name in enumerate(STATE_NAMES)}
@@ -80,11 +82,12 @@ def snapshot_json(stats: EngineStats, session_id: str | None = None, include_blo
     if include_blocks:
         snap["states"] = base64.b64encode(kv.states).decode("ascii")
         sessions: dict[str, list[int]] = {}
-        for pin in kv.pins:
-            if session_id is None or pin.session_id == session_id:
-                sessions[pin.session_id] = [b.block_id for b in pin.blocks]
-        for sid, blocks in stats.turn_blocks.items():  # a turn in flight supersedes its pin
-            if session_id is None or sid == session_id:
-                sessions[sid] = list(blocks)
+        if session_id is not None:
+            for pin in kv.pins:
+                if pin.session_id == session_id:
+                    sessions[session_id] = [b.block_id for b in pin.blocks]
+            turn = stats.turn_blocks.get(session_id)  # a turn in flight supersedes its pin
+            if turn is not None:
+                sessions[session_id] = list(turn)
         snap["session_blocks"] = sessions
     return snap

@@ -18,8 +18,8 @@ def test_multibyte_text_one_token_at_a_time(smollm2_tokenizer, text):
     tok = smollm2_tokenizer
     ids = tok.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tok)
-    deltas = [detok.add_token(t)[0] for t in ids]
-    deltas.append(detok.flush())
+    deltas = [detok.add_token(t).text for t in ids]
+    deltas.append(detok.flush().text)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tok.decode(ids)
 
@@ -30,7 +30,8 @@ def test_stop_string_spanning_tokens_is_never_streamed(smollm2_tokenizer):
     detok = IncrementalDetokenizer(tok, stop=["a gam"])
     streamed = ""
     for t in ids:
-        delta, stopped = detok.add_token(t)
+        d = detok.add_token(t)
+        delta, stopped = d.text, d.stopped
         streamed += delta
         assert "a gam" not in streamed
         if stopped:
@@ -42,9 +43,9 @@ def test_held_back_text_is_flushed_when_generation_ends_otherwise(smollm2_tokeni
     tok = smollm2_tokenizer
     ids = tok.encode("the answer is a", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, stop=["a gam"])
-    streamed = "".join(detok.add_token(t)[0] for t in ids)
-    assert streamed == "the answer is "  # "a" might begin the stop string
-    assert streamed + detok.flush() == "the answer is a"
+    streamed = "".join(detok.add_token(t).text for t in ids)
+    assert streamed == "the answer is"  # the token " a" might begin the stop string: held back whole
+    assert streamed + detok.flush().text == "the answer is a"
 
 
 def test_earliest_of_several_stop_strings_wins(smollm2_tokenizer):
@@ -53,7 +54,8 @@ def test_earliest_of_several_stop_strings_wins(smollm2_tokenizer):
     detok = IncrementalDetokenizer(tok, stop=["four", "two"])
     out = ""
     for t in ids:
-        delta, stopped = detok.add_token(t)
+        d = detok.add_token(t)
+        delta, stopped = d.text, d.stopped
         out += delta
         if stopped:
             break
@@ -72,11 +74,12 @@ def test_long_stop_strings_cost_per_token_not_per_text(smollm2_tokenizer):
     deadline = time.monotonic() + 20.0  # generous: the fix takes well under a second, even on a loaded machine
     out = []
     for t in ids:
-        delta, stopped = detok.add_token(t)
+        d = detok.add_token(t)
+        delta, stopped = d.text, d.stopped
         out.append(delta)
         assert not stopped
         assert time.monotonic() < deadline, f"stop-string matching too slow after {len(out)} tokens"
-    out.append(detok.flush())
+    out.append(detok.flush().text)
     assert "".join(out) == tok.decode(ids)
 
 
@@ -87,7 +90,8 @@ def test_stop_string_that_overlaps_itself_is_found(smollm2_tokenizer):
     detok = IncrementalDetokenizer(tok, stop=["aab"])
     out = ""
     for t in ids:
-        delta, stopped = detok.add_token(t)
+        d = detok.add_token(t)
+        delta, stopped = d.text, d.stopped
         out += delta
         if stopped:
             break
@@ -98,9 +102,9 @@ def test_stop_string_with_a_repeated_prefix_is_held_back(smollm2_tokenizer):
     tok = smollm2_tokenizer
     ids = tok.encode("ab ab ab", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, stop=["ab ab c"])
-    streamed = "".join(detok.add_token(t)[0] for t in ids)
-    assert streamed == "ab "  # "ab ab" may still begin the stop string
-    assert streamed + detok.flush() == "ab ab ab"
+    streamed = "".join(detok.add_token(t).text for t in ids)
+    assert streamed == "ab"  # " ab ab" ends in what may still begin the stop string: whole tokens held
+    assert streamed + detok.flush().text == "ab ab ab"
 
 
 @settings(max_examples=300, deadline=None)
@@ -121,3 +125,50 @@ def test_stop_matcher_agrees_with_a_naive_scan(chunks: list[str], stop: list[str
         assert cut is None
         held = max((k for s in stop for k in range(len(s)) if text.endswith(s[:k])), default=0)
         assert matcher.held_back() == held
+
+
+def _check_ids_match_text(tok, text: str, stop: list[str]) -> list[tuple[str, list[int]]]:
+    """Stream ``text``'s tokens; every delta's ids decode to its text (but a stop's own tokens)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, stop=stop)
+    deltas = []
+    for t in ids:
+        d = detok.add_token(t)
+        deltas.append((d.text, d.token_ids, d.stopped))
+        if d.stopped:
+            break
+    else:
+        d = detok.flush()
+        deltas.append((d.text, d.token_ids, False))
+    for piece, piece_ids, stopped in deltas:
+        decoded = tok.decode(piece_ids)
+        if stopped:  # the stop string's tokens are released with it; its text is not sent
+            assert decoded.startswith(piece) and any(s in decoded for s in stop), (piece, decoded)
+        else:
+            assert decoded == piece, (piece, piece_ids, decoded)
+    assert [t for _, piece_ids, _ in deltas for t in piece_ids] == ids[: sum(len(i) for _, i, _ in deltas)]
+    return [(piece, piece_ids) for piece, piece_ids, _ in deltas]
+
+
+@pytest.mark.parametrize(
+    ("text", "stop"),
+    [
+        ("alpha beta gamma delta alpha beta gamma delta", ["a gam"]),
+        ("the answer is a", ["a gam"]),
+        ("ab ab ab ab c", ["ab ab c"]),
+        ("naïve café 🙂 日本語 👩‍💻 and more", ["日本x", "🙂 日"]),
+        ("Zürich – «quotes» and emoji 🎉🎉 done", ["🎉 d", "emoji 🎉🎉 x"]),
+    ],
+)
+def test_token_ids_are_held_back_with_their_text(smollm2_tokenizer, text: str, stop: list[str]) -> None:
+    deltas = _check_ids_match_text(smollm2_tokenizer, text, stop)
+    assert any(piece == "" and not ids for piece, ids in deltas), "some text was held back"
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    words=st.lists(st.sampled_from(["ab", " ab", "c", " c", "é", " 🙂", "日本", "x"]), min_size=1, max_size=12),
+    stop=st.lists(st.text("abc é🙂日", min_size=1, max_size=4), min_size=1, max_size=2),
+)
+def test_every_delta_decodes_to_its_text(smollm2_tokenizer, words: list[str], stop: list[str]) -> None:
+    _check_ids_match_text(smollm2_tokenizer, "".join(words), stop)

@@ -205,3 +205,16 @@ def test_bench_serve_command_and_result_parsing(tmp_path: Path) -> None:
     rows = bench_serve.figures_rows(results, ["streamkv", "vllm"])
     assert rows[2][:4] == ["random", "8", "streamkv/vllm", "1.20x"] and rows[2][6] == "0.75x" and rows[2][-1] == "-"
     assert rows[3][:4] == ["random", "32", "streamkv", "skipped"]
+
+
+@pytest.mark.timeout(300)
+def test_soak_quick_returns_to_empty(tmp_path: Path) -> None:
+    """``bench_soak --quick``: 40 conversations, some closed mid-answer, leave no request, session or block."""
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, "-m", "load_tests.bench_soak", "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["conversations"] == 40 and result["errors"] == 0 and result["aborted"] > 0
+    assert not any(result["left_over"].values()) and "chat_sessions_attached" in result["left_over"]
+    assert result["rss_anon_swap_final_mb"] > 0

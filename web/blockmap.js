@@ -476,7 +476,7 @@ function updateTip() {
   const owner = ownerOf(id);
   const bs = drawnSnap.block_size | 0;
   let text = `block ${id} · ${stateNames[st] ?? `state ${st}`} · slots ${id * bs}–${id * bs + bs - 1}`;
-  if (owner) text += owner === ownSessionId ? " · this session" : ` · session ${owner.slice(0, 8)}`;
+  if (owner) text += " · this session"; // snapshots name only the viewer's own session
   tip.textContent = text;
   tip.hidden = false;
   const wr = wrap.clientWidth;

@@ -6,7 +6,7 @@ Routes::
     GET /static/...  files under web/
     GET /healthz     {"status": "ok"|"degraded"|"error", "model": ..., "max_model_len": ...}
     GET /metrics     Prometheus text format
-    GET /api/stats   engine.snapshot() as JSON (?session_id= limits session_blocks)
+    GET /api/stats   engine.snapshot() as JSON (?session_id=: the viewer's own blocks)
     WS  /ws/chat     chat sessions (chat_ws.py)
     WS  /ws/stats    snapshots every ServerConfig.stats_interval s (stats_ws.py)
     /v1/..., /tokenize, /detokenize   the OpenAI-compatible API (openai/)
@@ -71,7 +71,10 @@ def create_app(
     web = DEFAULT_WEB_DIR if web_dir is None else web_dir
     origins = OriginPolicy(server_config.allowed_origins)
     install_log_filters()
-    sessions = SessionRegistry(engine.release_session, server_config.session_ttl)
+    sessions = SessionRegistry(
+        engine.release_session, server_config.session_ttl, max_sessions=server_config.max_sessions
+    )
+    metrics.attach_sessions(lambda: len(sessions) - sessions.num_detached, lambda: sessions.num_detached)
     metrics.attach(lambda: engine.snapshot(include_blocks=False))
 
     @contextlib.asynccontextmanager

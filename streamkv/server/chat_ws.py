@@ -56,6 +56,7 @@ class _Turn:
     ttft_s: float | None = None
     usage: Usage | None = None
     final: RequestOutput | None = None
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = [[] for _ in range(self.n)]
@@ -90,6 +91,7 @@ class ChatConnection:
         self._writer = FrameWriter(websocket)
         self.session: Session | None = None
         self._turn: asyncio.Task[None] | None = None
+        self._closing = False  # the socket is gone: a turn cut short now was never seen
 
     async def run(self) -> None:
         self._writer.start()
@@ -106,6 +108,7 @@ class ChatConnection:
                 except EngineError as e:
                     self._send_error(e.code, e.message)
         finally:
+            self._closing = True
             await self._stop_turn()
             if self.session is not None:
                 self._let_go(self.session, release=False)
@@ -160,7 +163,14 @@ class ChatConnection:
             return self.session
         if frame.session_id is not None:
             self.session = self._sessions.resume(frame.session_id)
-            self._writer.send(protocol.session_frame(self.session.session_id, resumed=True))
+            self._writer.send(
+                protocol.session_frame(
+                    self.session.session_id,
+                    resumed=True,
+                    num_turns=self.session.num_turns,
+                    num_tokens=len(self.session.history),
+                )
+            )
         else:
             self.session = self._sessions.create(resumable=bool(frame.resumable))
             self._writer.send(protocol.session_frame(self.session.session_id, resumed=False))
@@ -190,12 +200,16 @@ class ChatConnection:
                 self._send_error(ErrorCode.INTERNAL_ERROR, f"internal error: {type(e).__name__}")
                 return
             cancelled = turn.final is None
-            if prompt_ids is not None:
+            # A turn cut short by a disconnect never reached the client: the history
+            # stays as it was (the pin's extra tail is dropped when the next turn
+            # adopts it by longest common prefix). A turn the client cancelled keeps
+            # what it streamed, since the user saw it.
+            if prompt_ids is not None and not (cancelled and self._closing):
                 session.history = prompt_ids + turn.token_ids[0]
                 session.num_turns += 1
             usage = turn.usage or Usage(
                 prompt_tokens=len(prompt_ids or ()),
-                cached_tokens=0,
+                cached_tokens=turn.num_cached_tokens,
                 completion_tokens=sum(len(ids) for ids in turn.token_ids),
             )
             total_s = turn.final.e2e_s if turn.final is not None and turn.final.e2e_s is not None else None
@@ -234,6 +248,8 @@ class ChatConnection:
                     turn.ttft_s = out.ttft_s
                 if out.usage is not None:
                     turn.usage = out.usage
+                if out.num_cached_tokens is not None:
+                    turn.num_cached_tokens = out.num_cached_tokens
                 if out.finished:
                     turn.final = out
         finally:

@@ -148,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--session-ttl", type=float, default=server.session_ttl, help="seconds an idle session keeps its history"
     )
     serve.add_argument(
+        "--max-sessions",
+        type=_int_or_none,
+        default=server.max_sessions,
+        help="live chat sessions; over it the longest-detached one is evicted, or, with none detached, "
+        "a new session is refused with too_many_sessions ('none': no cap)",
+    )
+    serve.add_argument(
         "--swap-space",
         type=parse_bytes,
         default=cache.swap_space,
@@ -313,6 +320,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         max_stop_strings=args.max_stop_strings,
         max_stop_string_length=args.max_stop_string_length,
         session_ttl=args.session_ttl,
+        max_sessions=args.max_sessions,
         served_model_name=args.served_model_name,
         api_key=api_key,
         max_body_bytes=args.max_body_bytes,

@@ -185,8 +185,15 @@ def _json_type(value: Any) -> str:
 # ------------------------------------------------------------ server frames
 
 
-def session_frame(session_id: str, *, resumed: bool) -> dict[str, Any]:
-    return {"type": "session", "session_id": session_id, "resumed": resumed}
+def session_frame(session_id: str, *, resumed: bool, num_turns: int = 0, num_tokens: int = 0) -> dict[str, Any]:
+    """``num_turns`` and ``num_tokens``: what the session's history holds (0 for a new session)."""
+    return {
+        "type": "session",
+        "session_id": session_id,
+        "resumed": resumed,
+        "num_turns": num_turns,
+        "num_tokens": num_tokens,
+    }
 
 
 def delta_frame(index: int, text: str, token_ids: list[int]) -> dict[str, Any]:

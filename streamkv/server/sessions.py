@@ -9,7 +9,7 @@ Lifecycle (one place; an illegal transition raises)::
     create ──> IDLE ──turn──> GENERATING ──turn ends──> IDLE
                IDLE ──socket closes, resumable──> DETACHED ──resume──> IDLE
                IDLE ──reset / socket closes / shutdown──> CLOSED
-           DETACHED ──idle past session_ttl / shutdown──> CLOSED
+           DETACHED ──idle past session_ttl / evicted at max_sessions / shutdown──> CLOSED
 
 A turn always ends (GENERATING -> IDLE) before its socket lets go of the
 session, so a session is never detached or released mid-turn.
@@ -83,6 +83,7 @@ class SessionRegistry:
         release_fn: drops the engine's pin (``engine.release_session``).
         ttl: seconds a detached session waits for a resume before release.
         max_sweep: most sessions one sweep releases (keeps each sweep short).
+        max_sessions: most live sessions (``None``: no cap); see :meth:`create`.
     """
 
     def __init__(
@@ -92,11 +93,13 @@ class SessionRegistry:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_sweep: int = 256,
+        max_sessions: int | None = None,
     ) -> None:
         self._release_fn = release_fn
         self.ttl = ttl
         self._clock = clock
         self._max_sweep = max_sweep
+        self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         # Detached sessions in detach order, hence in expiry order.
         self._detached: OrderedDict[str, Session] = OrderedDict()
@@ -112,6 +115,21 @@ class SessionRegistry:
         return len(self._detached)
 
     def create(self, *, resumable: bool = False) -> Session:
+        """A new attached session; at ``max_sessions``, the longest-detached session is released first.
+
+        Raises:
+            EngineError: ``too_many_sessions`` when at ``max_sessions`` and no
+                session is detached (each one is held by a socket).
+        """
+        if self.max_sessions is not None and len(self._sessions) >= self.max_sessions:
+            if not self._detached:
+                raise EngineError(
+                    ErrorCode.TOO_MANY_SESSIONS,
+                    f"the server holds its maximum of {self.max_sessions} sessions, all in use; try again later",
+                )
+            oldest = next(iter(self._detached.values()))
+            logger.info("max_sessions (%d) reached: evicting the longest-detached session", self.max_sessions)
+            self.release(oldest)
         session = Session(secrets.token_urlsafe(16), resumable=resumable, last_active=self._clock())
         self._sessions[session.session_id] = session
         return session

@@ -1,6 +1,7 @@
 """``WS /ws/stats``: push the engine's pool snapshot every ``stats_interval`` seconds.
 
-``?session_id=`` limits ``session_blocks`` to that session. Sends are
+``?session_id=`` names the viewer's own session, the only one ``session_blocks``
+lists (none without it; see ``streamkv.stats.snapshot_json``). Sends are
 coalesced by construction: the next snapshot is built only after the previous
 send has completed, so a client that reads slowly (or not at all) gets fewer
 snapshots, nothing queues up for it, and nobody else waits for it.

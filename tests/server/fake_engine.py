@@ -238,7 +238,7 @@ class FakeEngine:
             snap["states"] = base64.b64encode(bytes(states)).decode()
             next_block, session_blocks = used, {}
             for sid, n in pins.items():
-                if session_id is None or sid == session_id:
+                if sid == session_id:
                     session_blocks[sid] = list(range(next_block, next_block + n))
                 next_block += n
             snap["session_blocks"] = session_blocks

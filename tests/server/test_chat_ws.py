@@ -207,22 +207,26 @@ def test_resume_after_reconnect(server: RunningServer, engine: FakeEngine) -> No
         bogus = chat_turn(ws, "x", session_id="not-a-session")
         assert bogus.error is not None and bogus.error["code"] == "unknown_session"
         t2 = chat_turn(ws, "what?", session_id=sid, params={"max_tokens": 2})
-        assert t2.frames[0] == {"type": "session", "session_id": sid, "resumed": True}
+        num_tokens = len(chat.first_turn("remember", None)) + len(t1.token_ids[0])
+        assert t2.frames[0] == {
+            "type": "session", "session_id": sid, "resumed": True, "num_turns": 1, "num_tokens": num_tokens
+        }
         p1 = chat.first_turn("remember", None)
         assert engine.requests[-1].prompt_ids == p1 + t1.token_ids[0] + chat.next_turn("what?", False)
         with connect_chat(server) as other:  # held by the first socket
             busy = chat_turn(other, "mine", session_id=sid)
             assert busy.error is not None and busy.error["code"] == "session_busy"
-        # A resumable session survives a disconnect mid-answer, with the partial answer.
+        # A resumable session survives a disconnect mid-answer, without the answer the client never saw.
         send_json(ws, chat_frame("long", params={"max_tokens": 1000}))
         recv_until(ws, {"delta"})
     wait_for(lambda: sessions.num_detached == 1 and engine.blocks_in_use == 0, what="detached again")
     assert sessions.get(sid).state is SessionState.DETACHED
-    partial = engine.requests[-1].output_ids[0]
+    history = engine.requests[-2].prompt_ids + engine.requests[-2].output_ids[0]  # after "what?"
+    assert engine.requests[-1].output_ids[0], "the cut answer had begun"
     with connect_chat(server) as ws:
-        chat_turn(ws, "resumed", session_id=sid, params={"max_tokens": 1})
-        before = engine.requests[-2].prompt_ids
-        assert engine.requests[-1].prompt_ids[: len(before) + len(partial)] == before + partial
+        resumed = chat_turn(ws, "resumed", session_id=sid, params={"max_tokens": 1})
+        assert (resumed.frames[0]["num_turns"], resumed.frames[0]["num_tokens"]) == (2, len(history))
+        assert engine.requests[-1].prompt_ids == history + chat.next_turn("resumed", False)
         send_json(ws, {"type": "reset"})
         recv_until(ws, {"reset"})
     assert engine.released == [sid] and len(sessions) == 0
@@ -258,3 +262,42 @@ def test_cancel_right_after_chat(server: RunningServer, engine: FakeEngine) -> N
         turn = chat_turn(ws, "still fine", params={"max_tokens": 2})
         assert turn.done is not None and turn.done["finish_reason"] == "length"
     wait_for(lambda: engine.blocks_in_use == 0 and len(server.app.state.sessions) == 0, what="all released")
+
+
+def test_max_sessions_evicts_detached_then_refuses(metrics: object) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+    from server_harness import make_server
+
+    from streamkv.config import ServerConfig
+    from streamkv.metrics import EngineMetrics
+
+    def session_gauge(srv: RunningServer) -> dict[str, float]:
+        text = srv.get("/metrics").text
+        return {
+            s.labels["state"]: s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "streamkv_chat_sessions"
+            for s in f.samples
+        }
+
+    engine, m = FakeEngine(), EngineMetrics()
+    with make_server(engine, metrics=m, server_config=ServerConfig(stats_interval=0.05, max_sessions=2)) as srv:
+        sessions = srv.app.state.sessions
+        with connect_chat(srv) as ws:
+            old = chat_turn(ws, "first", resumable=True, params={"max_tokens": 1}).session_id
+        wait_for(lambda: sessions.num_detached == 1, what="session detached")
+        assert session_gauge(srv) == {"attached": 0.0, "resumable": 1.0}
+        with connect_chat(srv) as a, connect_chat(srv) as b:
+            assert chat_turn(a, "second", params={"max_tokens": 1}).session_id is not None
+            assert session_gauge(srv) == {"attached": 1.0, "resumable": 1.0}
+            assert chat_turn(b, "third", params={"max_tokens": 1}).session_id is not None  # evicts `old`
+            assert engine.released == [old] and old not in engine.pins
+            assert session_gauge(srv) == {"attached": 2.0, "resumable": 0.0}
+            with connect_chat(srv) as c:
+                refused = chat_turn(c, "fourth", params={"max_tokens": 1})
+                assert refused.error is not None and refused.error["code"] == "too_many_sessions"
+                assert refused.session_id is None and len(sessions) == 2
+                gone = chat_turn(c, "back", session_id=old)
+                assert gone.error is not None and gone.error["code"] == "unknown_session"
+        wait_for(lambda: len(sessions) == 0, what="sessions released")
+        assert session_gauge(srv) == {"attached": 0.0, "resumable": 0.0}

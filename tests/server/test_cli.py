@@ -88,6 +88,8 @@ def test_serve_options_reach_the_configs() -> None:
             "0.25",
             "--session-ttl",
             "60",
+            "--max-sessions",
+            "7",
             "--swap-space",
             "1GiB",
             "--dtype",
@@ -110,6 +112,8 @@ def test_serve_options_reach_the_configs() -> None:
     assert engine.cache.gpu_memory_utilization is None and engine.cache.num_blocks == 100
     assert not engine.cache.enable_prefix_caching and engine.cache.max_pinned_fraction == 0.25
     assert server.session_ttl == 60 and engine.cache.swap_space == 1 << 30
+    assert server.max_sessions == 7
+    assert build_configs(build_parser().parse_args(["serve", "--max-sessions", "none"]))[1].max_sessions is None
     assert engine.scheduler.max_model_len == 1024 and engine.scheduler.preemption_mode == "swap"
     assert engine.scheduler.max_num_seqs == 8 and engine.scheduler.max_num_batched_tokens == 256
     assert (server.host, server.port, server.stats_interval) == ("0.0.0.0", 9000, 0.5)
@@ -120,6 +124,7 @@ def test_serve_options_reach_the_configs() -> None:
     [
         (["--block-size", "24"], "--block-size: block_size must be a power of two"),
         (["--session-ttl", "0"], "--session-ttl: session_ttl must be positive"),
+        (["--max-sessions", "0"], "--max-sessions: max_sessions must be at least 1"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
         (["--port", "70000"], "--port"),
         (["--kv-cache-memory", "lots"], "not a size in bytes"),

@@ -105,7 +105,9 @@ def test_server_frames() -> None:
     delta["token_ids"].append(3)
     assert ids == [1, 2], "the frame must not alias the engine's list"
     assert protocol.error_frame("x", "y") == {"type": "error", "code": "x", "message": "y"}
-    assert protocol.session_frame("s", resumed=True) == {"type": "session", "session_id": "s", "resumed": True}
+    assert protocol.session_frame("s", resumed=True, num_turns=2, num_tokens=40) == {
+        "type": "session", "session_id": "s", "resumed": True, "num_turns": 2, "num_tokens": 40
+    }
 
 
 @pytest.mark.parametrize("top_k", ["null", "-1"])

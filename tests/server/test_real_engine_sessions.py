@@ -6,7 +6,17 @@ from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import RunningServer, chat_frame, chat_turn, connect_chat, make_server, recv_until, send_json
+from server_harness import (
+    RunningServer,
+    Turn,
+    chat_frame,
+    chat_turn,
+    connect_chat,
+    make_server,
+    recv_until,
+    send_json,
+    wait_for,
+)
 
 from streamkv.cache.block import KVBlock
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -136,3 +146,107 @@ def test_metrics_count_a_real_workload(server: RunningServer) -> None:
     assert samples[("streamkv_generation_tokens_total", ())] >= GREEDY["max_tokens"] + 1
     assert samples[("streamkv_time_to_first_token_seconds_count", ())] == 2
     assert 0.0 <= samples[("streamkv_kv_cache_usage_perc", ())] <= 1.0
+
+
+def test_stats_never_name_another_session(server: RunningServer) -> None:
+    """Session ids are capabilities: a viewer sees its own blocks, others' only as anonymous states."""
+    import orjson
+
+    with connect_chat(server) as a, connect_chat(server) as b:
+        sid_a = chat_turn(a, "Hello there, session A.", params=GREEDY, timeout=60).session_id
+        sid_b = chat_turn(b, "Hello there, session B.", params=GREEDY, timeout=60).session_id
+        anonymous = server.get("/api/stats")
+        assert anonymous.json()["session_blocks"] == {}
+        assert sid_a not in anonymous.text and sid_b not in anonymous.text
+        own = server.get(f"/api/stats?session_id={sid_a}")
+        blocks = own.json()["session_blocks"]
+        assert list(blocks) == [sid_a] and blocks[sid_a]
+        assert sid_b not in own.text
+        assert own.json()["counts"]["pinned"] >= 2  # B's pin still shows, by state only
+        with connect_chat(server, f"/ws/stats?session_id={sid_b}") as stats:
+            text = stats.recv(timeout=10)
+        assert sid_a not in text and list(orjson.loads(text)["session_blocks"]) == [sid_b]
+
+
+def _spanning_stop(pieces: list[str]) -> str:
+    """A stop string that starts inside one token's text and ends inside the next one's, found once."""
+    text = "".join(pieces)
+    start = 0
+    for k in range(2, len(pieces) - 1):
+        start = sum(len(p) for p in pieces[:k])
+        a, b = pieces[k], pieces[k + 1]
+        if len(a) >= 2 and len(b) >= 2 and "\ufffd" not in a + b:
+            stop = a[1:] + b[:1]
+            if text.find(stop) == start + 1:
+                return stop
+    pytest.skip("the tiny model's answer has no two adjacent multi-character tokens")
+
+
+def test_delta_token_ids_decode_to_the_delta_text(server: RunningServer, tiny: LoadedModel) -> None:
+    """Ids held back for a possible stop string travel with their text (#15 item 15)."""
+    tok = tiny.tokenizer
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with connect_chat(server) as ws:
+        free_run = chat_turn(ws, "Tell me a story about a cat.", params=params, timeout=60)
+    ids = free_run.token_ids[0]
+    pieces = [tok.decode([t], skip_special_tokens=True) for t in ids]
+    stop = _spanning_stop(pieces)
+    with connect_chat(server) as ws:
+        stopped = chat_turn(ws, "Tell me a story about a cat.", params={**params, "stop": [stop]}, timeout=60)
+    assert stopped.done is not None and stopped.done["finish_reason"] == "stop"
+    deltas = [f for f in stopped.frames if f["type"] == "delta"]
+    for f in deltas[:-1]:
+        assert tok.decode(f["token_ids"], skip_special_tokens=True) == f["text"], f
+    last = tok.decode(deltas[-1]["token_ids"], skip_special_tokens=True)
+    assert last.startswith(deltas[-1]["text"]) and stop in last  # the stop string's tokens end the turn
+    assert stopped.text[0] == free_run.text[0][: free_run.text[0].find(stop)]
+    assert stopped.token_ids[0] == ids[: len(stopped.token_ids[0])]
+
+
+LONG = {"max_tokens": 600, "temperature": 0, "ignore_eos": True}
+
+
+def test_a_turn_cut_short_by_a_disconnect_stays_out_of_the_history(server: RunningServer) -> None:
+    """The client never saw it; the next turn equals a fresh run of the same history (#15 item 14)."""
+    core = server.engine.core
+    with connect_chat(server) as ws:
+        t1 = chat_turn(ws, "First question.", resumable=True, params=GREEDY, timeout=60)
+        sid = t1.session_id
+        assert sid is not None and t1.done is not None
+        send_json(ws, chat_frame("Now a very long answer, please.", params=LONG))
+        recv_until(ws, {"delta"}, 60)  # the answer has begun; the socket closes mid-answer
+    history = t1.done["usage"]["prompt_tokens"] + t1.done["usage"]["completion_tokens"]
+    wait_for(lambda: server.app.state.sessions.num_detached == 1, timeout=30, what="session detached")
+    wait_for(lambda: sid in core.kv.sessions, timeout=30, what="the cut turn pinned")
+    assert len(core.kv.sessions[sid].token_ids) > history  # the pin holds the dropped turn as its tail
+    with connect_chat(server) as ws:
+        resumed = chat_turn(ws, "Second question.", session_id=sid, params=GREEDY, timeout=60)
+    assert resumed.frames[0]["num_turns"] == 1 and resumed.frames[0]["num_tokens"] == history
+    with connect_chat(server) as ws:
+        chat_turn(ws, "First question.", params=GREEDY, timeout=60)
+        fresh = chat_turn(ws, "Second question.", params=GREEDY, timeout=60)
+    assert resumed.done is not None and fresh.done is not None
+    assert resumed.token_ids[0] == fresh.token_ids[0] and resumed.text == fresh.text
+    assert resumed.done["usage"]["prompt_tokens"] == fresh.done["usage"]["prompt_tokens"]
+    core.check_invariants()
+
+
+def test_a_cancelled_turn_keeps_its_text_and_reports_cached_tokens(server: RunningServer) -> None:
+    with connect_chat(server) as ws:
+        t1 = chat_turn(ws, "First question.", resumable=True, params=GREEDY, timeout=60)
+        sid = t1.session_id
+        assert sid is not None and t1.done is not None
+        send_json(ws, chat_frame("Now a very long answer, please.", params=LONG))
+        frames = recv_until(ws, {"delta"}, 60)
+        send_json(ws, {"type": "cancel"})
+        t2 = Turn.from_frames(frames + recv_until(ws, {"done"}, 60))
+    assert t2.done is not None and t2.done["finish_reason"] == "cancelled"
+    usage, u1 = t2.done["usage"], t1.done["usage"]
+    assert usage["cached_tokens"] == u1["prompt_tokens"] + u1["completion_tokens"] - 1  # turn 1 from the pin
+    assert usage["completion_tokens"] == len(t2.token_ids[0]) > 0
+    wait_for(lambda: server.app.state.sessions.num_detached == 1, timeout=30, what="session detached")
+    with connect_chat(server) as ws:
+        t3 = chat_turn(ws, "Go on.", session_id=sid, params=GREEDY, timeout=60)
+    assert t3.frames[0]["num_turns"] == 2
+    assert t3.frames[0]["num_tokens"] == usage["prompt_tokens"] + len(t2.token_ids[0])
+    assert t3.done is not None and t3.done["usage"]["prompt_tokens"] > t3.frames[0]["num_tokens"]

@@ -133,3 +133,27 @@ def test_sweeper_task_expires_sessions() -> None:
         return released
 
     assert len(asyncio.run(main())) == 1
+
+
+def test_max_sessions_evicts_the_longest_detached_first() -> None:
+    released: list[str] = []
+    clock = Clock()
+    reg = SessionRegistry(released.append, 10.0, clock=clock, max_sessions=3)
+    a, b, c = (reg.create(resumable=True) for _ in range(3))
+    reg.detach(b)
+    clock.now += 1
+    reg.detach(a)
+    d = reg.create()  # over the cap: b detached first, so b goes
+    assert released == [b.session_id] and reg.get(b.session_id) is None and b.state is SessionState.CLOSED
+    assert len(reg) == 3 and reg.num_detached == 1
+    with pytest.raises(EngineError) as e:
+        reg.resume(b.session_id)
+    assert e.value.code == "unknown_session"
+    reg.create()  # then a
+    assert released == [b.session_id, a.session_id] and reg.num_detached == 0
+    with pytest.raises(EngineError) as e:  # every session attached: refused, nothing released
+        reg.create()
+    assert e.value.code == "too_many_sessions" and "3 sessions" in e.value.message
+    assert len(reg) == 3 and released == [b.session_id, a.session_id]
+    reg.release(d)
+    assert reg.create().state is SessionState.IDLE and c.state is SessionState.IDLE

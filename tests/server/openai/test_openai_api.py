@@ -251,3 +251,27 @@ def test_detokenize_inverts_tokenize(api_server: RunningServer) -> None:
     tokens = post_json(api_server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
     assert tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"]) > 5
     assert post_json(api_server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": text}
+
+
+def test_streamed_logprobs_travel_with_their_text(client: openai.OpenAI) -> None:
+    """A chunk's tokens are the tokens of its text, also while text is held back for a stop string."""
+    kwargs = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "logprobs": 0}
+    free = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    lp = free.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None
+    pieces = list(lp.tokens)
+    stop = None
+    for k in range(2, len(pieces) - 1):
+        a, b = pieces[k], pieces[k + 1]
+        start, candidate = sum(len(p) for p in pieces[:k]), a[1:] + b[:1]
+        if len(a) >= 2 and len(b) >= 2 and "\ufffd" not in a + b and free.choices[0].text.find(candidate) == start + 1:
+            stop = candidate
+            break
+    if stop is None:
+        pytest.skip("the tiny model's answer has no two adjacent multi-character tokens")
+    chunks = [c for c in client.completions.create(**kwargs, stop=[stop], stream=True) if c.choices]  # type: ignore[call-overload]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    for c in chunks[:-1]:
+        tokens = c.choices[0].logprobs.tokens if c.choices[0].logprobs is not None else []
+        assert "".join(tokens or []) == c.choices[0].text, c
+    assert "".join(c.choices[0].text for c in chunks) == free.choices[0].text[: free.choices[0].text.find(stop)]
