@@ -24,7 +24,7 @@ from streamkv.server import protocol
 from streamkv.server.engine_api import ServingEngine
 from streamkv.server.limits import check_stop_strings, receive_or_idle
 from streamkv.server.protocol import CancelFrame, ChatFrame, ResetFrame
-from streamkv.server.sessions import Session, SessionRegistry, SessionState
+from streamkv.server.sessions import Session, SessionRegistry, SessionState, chained_prompt
 from streamkv.server.writer import FrameWriter
 
 logger = logging.getLogger(__name__)
@@ -226,11 +226,7 @@ class ChatConnection:
 
     def _build_prompt(self, history: list[int], frame: ChatFrame) -> list[int]:
         """Turn 1: the chat template of (system, user); turn N: history + the next user turn."""
-        chat = self._engine.chat
-        if not history:
-            return list(chat.first_turn(frame.content, frame.system))
-        last_finished_on_eos = history[-1] in self._engine.eos_token_ids
-        return history + list(chat.next_turn(frame.content, last_finished_on_eos))
+        return chained_prompt(self._engine.chat, self._engine.eos_token_ids, history, frame.content, frame.system)
 
     async def _stream(self, prompt_ids: list[int], frame: ChatFrame, session_id: str, turn: _Turn) -> None:
         outputs = self._engine.generate(prompt_ids, frame.params, session_id=session_id)

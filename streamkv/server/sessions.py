@@ -1,10 +1,16 @@
-"""Chat sessions: a conversation's token history and its lifecycle.
+"""Chat sessions, which are chains: a conversation's exact token ids, its pin key and its lifecycle.
 
-The engine holds a session's KV blocks (its pin); the server holds the
-conversation as token ids and decides when the pin is dropped
+A session is a chain. One record serves every front door: a ``/ws/chat``
+session, a Responses API chain (``previous_response_id``) and a chat
+completions conversation named by the ``x-session-id`` header. It holds the
+exact token ids of the conversation so far (the last prompt plus the ids
+generated for sample 0; a chained turn appends to them and never
+re-tokenizes) and its ``session_id``, the key under which the engine pins the
+chain's KV blocks between turns. The server decides when the pin is dropped
 (``engine.release_session``).
 
-Lifecycle (one place; an illegal transition raises)::
+Lifecycle (one place; an illegal transition raises; chains that no socket
+holds go through ``acquire`` / ``end_turn`` / ``park``)::
 
     create ──> IDLE ──turn──> GENERATING ──turn ends──> IDLE
                IDLE ──socket closes, resumable──> DETACHED ──resume──> IDLE
@@ -27,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from streamkv.errors import EngineError, ErrorCode
+from streamkv.server.engine_api import ChatFormatterLike
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +59,23 @@ class IllegalTransition(RuntimeError):
 
 @dataclass(slots=True)
 class Session:
-    """One conversation.
+    """One conversation (a chain).
 
     Attributes:
-        session_id: unguessable (it is the capability to resume).
+        session_id: unguessable (it is the capability to resume); the engine's
+            pin key for the chain's blocks.
         history: prompt ids of the last turn plus the ids generated for
             sample 0; the next turn's prompt starts with exactly these.
         resumable: keep the session after its socket closes (until the TTL).
         last_active: monotonic seconds of the last state change.
+        head: id of the chain's newest response (Responses API): the one
+            response whose continuation adopts the pin; ``None`` elsewhere.
+        system: the system prompt (``instructions``) the chain started with.
+        alias: the client's name for the chain (the ``x-session-id`` header),
+            looked up with :meth:`SessionRegistry.by_alias`.
+        transcript: ``(role, content)`` of the messages ``history`` renders
+            (``x-session-id`` chains: a request that repeats them continues
+            from ``history`` without re-tokenizing).
     """
 
     session_id: str
@@ -68,6 +84,10 @@ class Session:
     state: SessionState = SessionState.IDLE
     last_active: float = 0.0
     num_turns: int = 0
+    head: str | None = None
+    system: str | None = None
+    alias: str | None = None
+    transcript: list[tuple[str, str]] = field(default_factory=list)
 
     def transition(self, new: SessionState, now: float) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -103,6 +123,7 @@ class SessionRegistry:
         self._sessions: dict[str, Session] = {}
         # Detached sessions in detach order, hence in expiry order.
         self._detached: OrderedDict[str, Session] = OrderedDict()
+        self._aliases: dict[str, Session] = {}  # x-session-id -> its chain
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -114,8 +135,14 @@ class SessionRegistry:
     def num_detached(self) -> int:
         return len(self._detached)
 
-    def create(self, *, resumable: bool = False) -> Session:
+    def by_alias(self, alias: str) -> Session | None:
+        """The live chain a client named ``alias`` (``x-session-id``), if any."""
+        return self._aliases.get(alias)
+
+    def create(self, *, resumable: bool = False, alias: str | None = None) -> Session:
         """A new attached session; at ``max_sessions``, the longest-detached session is released first.
+
+        ``alias`` names it for :meth:`by_alias`; a live chain of that alias is released first.
 
         Raises:
             EngineError: ``too_many_sessions`` when at ``max_sessions`` and no
@@ -130,9 +157,42 @@ class SessionRegistry:
             oldest = next(iter(self._detached.values()))
             logger.info("max_sessions (%d) reached: evicting the longest-detached session", self.max_sessions)
             self.release(oldest)
-        session = Session(secrets.token_urlsafe(16), resumable=resumable, last_active=self._clock())
+        if alias is not None and alias in self._aliases:
+            self.release(self._aliases[alias])
+        session = Session(secrets.token_urlsafe(16), resumable=resumable, last_active=self._clock(), alias=alias)
         self._sessions[session.session_id] = session
+        if alias is not None:
+            self._aliases[alias] = session
         return session
+
+    def acquire(self, session: Session) -> bool:
+        """Start a turn on a chain that no socket holds (Responses, ``x-session-id``): -> GENERATING.
+
+        A detached chain is resumed first (a chain past its TTL is released).
+        Returns ``False``, changing nothing, when the chain is closed, expired
+        or has a turn in flight; the caller then starts a new chain.
+        """
+        if session.state is SessionState.DETACHED:
+            if self._expired(session):
+                self.release(session)
+                return False
+            del self._detached[session.session_id]
+            session.transition(SessionState.IDLE, self._clock())
+        if session.state is not SessionState.IDLE:
+            return False
+        session.transition(SessionState.GENERATING, self._clock())
+        return True
+
+    def end_turn(self, session: Session) -> None:
+        """End a turn started by :meth:`acquire`; the chain stays attached to its caller (IDLE)."""
+        if session.state is SessionState.GENERATING:
+            session.transition(SessionState.IDLE, self._clock())
+
+    def park(self, session: Session, *, keep: bool) -> None:
+        """End a turn started by :meth:`acquire`: detach the chain (``keep``: until the TTL) or release it."""
+        self.end_turn(session)
+        session.resumable = keep
+        self.detach(session)
 
     def resume(self, session_id: str) -> Session:
         """Attach a detached session to a new socket.
@@ -168,7 +228,10 @@ class SessionRegistry:
         session.transition(SessionState.CLOSED, self._clock())
         self._sessions.pop(session.session_id, None)
         self._detached.pop(session.session_id, None)
+        if session.alias is not None and self._aliases.get(session.alias) is session:
+            del self._aliases[session.alias]
         session.history = []
+        session.transcript = []
         try:
             self._release_fn(session.session_id)
         except Exception:
@@ -200,3 +263,16 @@ class SessionRegistry:
 
     def _expired(self, session: Session) -> bool:
         return self._clock() - session.last_active > self.ttl
+
+
+def chained_prompt(
+    chat: ChatFormatterLike, eos_token_ids: tuple[int, ...], history: list[int], user: str, system: str | None = None
+) -> list[int]:
+    """Prompt ids of a chain's next turn: the template of (system, user) on an empty chain, else
+    ``history`` + the template fragment of one more user turn (history is never re-tokenized).
+
+    Runs the tokenizer: call it off the event loop.
+    """
+    if not history:
+        return list(chat.first_turn(user, system))
+    return history + list(chat.next_turn(user, history[-1] in eos_token_ids))
