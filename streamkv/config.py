@@ -158,6 +158,8 @@ class ServerConfig:
         api_key: when set, every route but ``/healthz``, ``/metrics`` and the
             web page's files needs ``Authorization: Bearer <api_key>``.
         max_body_bytes: largest HTTP request body the OpenAI API reads (413 above).
+        max_stored_responses: most Responses API responses kept server-wide
+            (``store: true``); over it the least recently used is dropped.
     """
 
     host: str = "127.0.0.1"
@@ -173,6 +175,7 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 8 * MiB
+    max_stored_responses: int = 4096
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -191,6 +194,8 @@ class ServerConfig:
             raise ValueError("max_stop_strings must be >= 0")
         if self.max_stop_string_length < 1:
             raise ValueError("max_stop_string_length must be at least 1")
+        if self.max_stored_responses < 1:
+            raise ValueError("max_stored_responses must be at least 1")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key:

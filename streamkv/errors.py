@@ -21,6 +21,8 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_SESSION = "unknown_session"  # resume of an unknown or expired session id
     SESSION_BUSY = "session_busy"  # the session has a turn in flight or another socket
     TOO_MANY_SESSIONS = "too_many_sessions"  # at max_sessions, and every session is attached to a socket
+    PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"  # Responses: unknown, expired or another connection's
+    RESPONSE_NOT_FOUND = "response_not_found"  # GET / DELETE /v1/responses/{id} of an unknown or expired id
     ENGINE_STOPPED = "engine_stopped"  # the engine thread is not running
     ENGINE_ERROR = "engine_error"  # the engine thread failed; every request in flight gets it
     INTERNAL_ERROR = "internal_error"  # a bug in the server's handling of a frame

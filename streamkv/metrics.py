@@ -138,6 +138,18 @@ class EngineMetrics:
             ["state"],
             registry=r,
         )
+        # the Responses API (server/responses/)
+        self.responses_stored = Counter(
+            "streamkv_responses_stored", "Responses kept for previous_response_id (store: true or false).", registry=r
+        )
+        self.chains_forked = Counter(
+            "streamkv_chains_forked", "Responses that forked a new chain off an older or busy response.", registry=r
+        )
+        self.previous_response_not_found = Counter(
+            "streamkv_previous_response_not_found",
+            "Responses refused: previous_response_id unknown, expired or another connection's.",
+            registry=r,
+        )
         for kind in ("http", "websocket"):
             self.open_connections.labels(kind=kind)
         for state in ("attached", "resumable"):

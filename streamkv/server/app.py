@@ -10,6 +10,7 @@ Routes::
     WS  /ws/chat     chat sessions (chat_ws.py)
     WS  /ws/stats    snapshots every ServerConfig.stats_interval s (stats_ws.py)
     /v1/..., /tokenize, /detokenize   the OpenAI-compatible API (openai/)
+    /v1/responses[/{id}]              the Responses API, HTTP and WebSocket mode (responses/)
 
 With ``ServerConfig.api_key`` set, every route but /healthz, /metrics and the
 page's files needs the key (auth.py).
@@ -41,8 +42,9 @@ from streamkv.server.chat_ws import chat_endpoint
 from streamkv.server.engine_api import ServingEngine
 from streamkv.server.limits import ConnectionLimit, check_stop_strings
 from streamkv.server.logs import install_log_filters
-from streamkv.server.openai import openai_routes
+from streamkv.server.openai import OpenAIServing, openai_routes
 from streamkv.server.origin import OriginCheck, OriginPolicy
+from streamkv.server.responses import ResponseStore, responses_routes
 from streamkv.server.sessions import SessionRegistry
 from streamkv.server.stats_ws import stats_endpoint
 
@@ -75,6 +77,7 @@ def create_app(
         engine.release_session, server_config.session_ttl, max_sessions=server_config.max_sessions
     )
     metrics.attach_sessions(lambda: len(sessions) - sessions.num_detached, lambda: sessions.num_detached)
+    responses = ResponseStore(sessions, server_config.session_ttl, server_config.max_stored_responses)
     metrics.attach(lambda: engine.snapshot(include_blocks=False))
 
     @contextlib.asynccontextmanager
@@ -119,6 +122,9 @@ def create_app(
 
     async def api_stats(request: Request) -> Response:
         session_id = request.query_params.get("session_id") or None
+        stored = responses.get(session_id) if session_id is not None else None
+        if stored is not None and stored.is_head:  # a response id names its chain's blocks
+            session_id = stored.chain.session_id
         snap = await asyncio.to_thread(engine.snapshot, session_id)
         return Response(orjson.dumps(snap), media_type="application/json", headers={"Cache-Control": "no-store"})
 
@@ -134,6 +140,19 @@ def create_app(
             server_config.served_model_name,
             server_config.max_body_bytes,
             lambda stop: check_stop_strings(stop, server_config, metrics),
+            sessions,
+        ),
+        *responses_routes(
+            OpenAIServing(
+                engine,  # type: ignore[arg-type]
+                server_config.served_model_name,
+                server_config.max_body_bytes,
+                lambda stop: check_stop_strings(stop, server_config, metrics),
+            ),
+            sessions,
+            responses,
+            metrics,
+            server_config,
         ),
     ]
     if web.is_dir():
@@ -148,6 +167,7 @@ def create_app(
         middleware.append(Middleware(APIKeyMiddleware, api_key=server_config.api_key))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.sessions = sessions
+    app.state.responses = responses
     app.state.engine = engine
     app.state.metrics = metrics
     return app

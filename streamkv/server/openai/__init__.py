@@ -20,6 +20,7 @@ from streamkv.server.openai.completions import completions_endpoint
 from streamkv.server.openai.models import models_endpoint
 from streamkv.server.openai.serving import OpenAIEngine, OpenAIServing
 from streamkv.server.openai.tokenize import detokenize_endpoint, tokenize_endpoint
+from streamkv.server.sessions import SessionRegistry
 
 __all__ = ["OpenAIServing", "openai_routes"]
 
@@ -29,13 +30,15 @@ def openai_routes(
     served_model_name: str | None,
     max_body_bytes: int,
     check_stop: Callable[[Sequence[str]], None] | None = None,
+    sessions: SessionRegistry | None = None,
 ) -> list[Route]:
-    """The API's routes; ``check_stop`` bounds stop strings (the server's ``--max-stop-strings`` flags)."""
+    """The API's routes; ``check_stop`` bounds stop strings (the server's ``--max-stop-strings`` flags);
+    ``sessions`` holds the chains that ``x-session-id`` names on chat completions (``None``: the header is ignored)."""
     serving = OpenAIServing(engine, served_model_name, max_body_bytes, check_stop)
     return [
         Route("/v1/models", models_endpoint(serving), methods=["GET"]),
         Route("/v1/completions", completions_endpoint(serving), methods=["POST"]),
-        Route("/v1/chat/completions", chat_endpoint(serving), methods=["POST"]),
+        Route("/v1/chat/completions", chat_endpoint(serving, sessions), methods=["POST"]),
         Route("/tokenize", tokenize_endpoint(serving), methods=["POST"]),
         Route("/detokenize", detokenize_endpoint(serving), methods=["POST"]),
     ]

@@ -52,8 +52,12 @@ class Admitted:
             await aclose()
 
 
-async def admit(engine: ServingEngine, prompts: list[list[int]], params: SamplingParams) -> list[Admitted]:
+async def admit(
+    engine: ServingEngine, prompts: list[list[int]], params: SamplingParams, session_id: str | None = None
+) -> list[Admitted]:
     """Start one engine request per prompt; all admitted, or none left running.
+
+    ``session_id``: the chain whose pin the (single) prompt continues, and which pins it afterwards.
 
     Raises:
         EngineError: the engine refused a prompt (the others are aborted).
@@ -61,7 +65,7 @@ async def admit(engine: ServingEngine, prompts: list[list[int]], params: Samplin
     admitted: list[Admitted] = []
     try:
         for ids in prompts:
-            outputs = engine.generate(ids, params)
+            outputs = engine.generate(ids, params, session_id=session_id)
             first = asyncio.ensure_future(_first_output(outputs))
             # One loop turn runs generate() up to its first wait: admission has happened by then.
             await asyncio.sleep(0)

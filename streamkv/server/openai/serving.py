@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from streamkv.server.engine_api import ServingEngine
+from streamkv.server.engine_api import ChatFormatterLike, ServingEngine
 from streamkv.server.openai.errors import APIError, from_validation
 from streamkv.server.openai.logprobs import LogprobFormatter
 
@@ -31,7 +31,7 @@ _DRAIN_LIMIT_BYTES = 64 << 20
 _DRAIN_TIMEOUT_S = 10.0
 
 
-class ConversationFormatter(Protocol):
+class ConversationFormatter(ChatFormatterLike, Protocol):
     def conversation(self, messages: list[dict[str, str]]) -> list[int]: ...
 
 
@@ -40,7 +40,7 @@ class OpenAIEngine(ServingEngine, Protocol):
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
     @property
-    def chat(self) -> ConversationFormatter: ...  # type: ignore[override]
+    def chat(self) -> ConversationFormatter: ...
 
 
 class OpenAIServing:

@@ -1,0 +1,219 @@
+"""One response: resolve ``previous_response_id``, build the prompt ids, run the turn on its chain.
+
+What ``previous_response_id`` names decides the chain (a chain is a
+:class:`~streamkv.server.sessions.Session`)::
+
+    the newest response of an idle chain  -> that chain: its pin is adopted, only new tokens computed
+    an older response, or a chain mid-turn -> a fork: a new chain from that response's token ids;
+                                              its full blocks come from the prefix cache (shared, COW)
+    unknown, expired, another socket's     -> previous_response_not_found
+    none                                   -> a new chain
+
+A chained turn's prompt is the named response's token ids plus the template
+fragment of the new user turn (:func:`~streamkv.server.sessions.chained_prompt`):
+history is never re-tokenized. An incomplete response (cut by
+``max_output_tokens``) or a cancelled one continues from exactly the tokens
+it holds. A response whose client went away mid-answer is not stored and
+does not enter its chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from streamkv.errors import EngineError, ErrorCode
+from streamkv.metrics import EngineMetrics
+from streamkv.outputs import FinishReason, Usage
+from streamkv.server.openai.errors import APIError, from_engine, from_params, invalid
+from streamkv.server.openai.generation import admit
+from streamkv.server.openai.serving import OpenAIServing
+from streamkv.server.responses.objects import Event, ResponseDraft
+from streamkv.server.responses.protocol import ResponseCreate
+from streamkv.server.responses.store import ResponseStore, StoredResponse
+from streamkv.server.sessions import Session, SessionRegistry, SessionState, chained_prompt
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    """A response ready to run: its prompt and the chain it runs on (acquired: GENERATING)."""
+
+    prompt_ids: list[int]
+    chain: Session
+    forked: bool
+
+
+class ResponseRunner:
+    """Runs responses for the HTTP routes and the WebSocket mode alike.
+
+    Args:
+        serving: the OpenAI routes' shared state (engine, model id, checks).
+        sessions: the chain registry.
+        store: the server-wide store (``store: true``).
+        metrics: counts stored responses, forks and ``previous_response_not_found``.
+    """
+
+    def __init__(
+        self, serving: OpenAIServing, sessions: SessionRegistry, store: ResponseStore, metrics: EngineMetrics
+    ) -> None:
+        self.serving = serving
+        self.sessions = sessions
+        self.store = store
+        self.metrics = metrics
+
+    def find(self, response_id: str, local: ResponseStore | None = None) -> StoredResponse | None:
+        """A finished response by id: this socket's own (``store: false``) first, then the server's."""
+        found = local.get(response_id) if local is not None else None
+        return found if found is not None else self.store.get(response_id)
+
+    async def plan(self, req: ResponseCreate, local: ResponseStore | None = None) -> TurnPlan:
+        """Validate ``req``, build its prompt ids and acquire its chain.
+
+        Raises:
+            APIError: ``previous_response_not_found``, ``invalid_value``,
+                ``context_length_exceeded``, ``model_not_found``,
+                ``engine_stopped``, ``too_many_sessions``.
+        """
+        serving = self.serving
+        serving.check_model(req.model)
+        serving.check_engine()
+        try:
+            params = req.sampling_params()
+        except ValueError as e:
+            raise from_params(e) from None
+        engine = serving.engine
+        messages = req.messages()
+        previous: StoredResponse | None = None
+        if req.previous_response_id is not None:
+            previous = self.find(req.previous_response_id, local)
+            if previous is None:
+                self.metrics.previous_response_not_found.inc()
+                raise _not_found(req.previous_response_id)
+            if len(messages) != 1 or messages[0].role != "user":
+                raise invalid("input", "a response that continues another takes exactly one user message")
+            if req.instructions is not None and req.instructions != previous.chain.system:
+                raise invalid(
+                    "instructions",
+                    "a chain keeps the instructions of its first response; start a new chain to change them",
+                )
+            history = previous.token_ids
+            user = messages[0].text
+            ids = await asyncio.to_thread(chained_prompt, engine.chat, engine.eos_token_ids, history, user)
+        elif len(messages) == 1 and messages[0].role == "user":
+            user, system = messages[0].text, req.instructions
+            ids = await asyncio.to_thread(chained_prompt, engine.chat, engine.eos_token_ids, [], user, system)
+        else:
+            turns = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) + [
+                {"role": m.template_role, "content": m.text} for m in messages
+            ]
+            try:
+                ids = await asyncio.to_thread(engine.chat.conversation, turns)
+            except Exception as e:  # noqa: BLE001 - a template that refuses a role order
+                raise APIError(400, f"input: the chat template refused it: {e}", "invalid_value", "input") from None
+        serving.check_context_length(len(ids), params.max_tokens, "input")
+        try:
+            if previous is not None and previous.is_head and self.sessions.acquire(previous.chain):
+                return TurnPlan(ids, previous.chain, forked=False)
+            chain = self.sessions.create()
+        except EngineError as e:
+            raise from_engine(e) from None
+        chain.system = previous.chain.system if previous is not None else req.instructions
+        self.sessions.acquire(chain)
+        if previous is not None:
+            self.metrics.chains_forked.inc()
+        return TurnPlan(ids, chain, forked=previous is not None)
+
+    async def run(
+        self,
+        req: ResponseCreate,
+        plan: TurnPlan,
+        draft: ResponseDraft,
+        emit: Callable[[Event], None],
+        *,
+        local: ResponseStore | None = None,
+    ) -> StoredResponse:
+        """Generate the response, emitting its events; store it and advance its chain.
+
+        ``local``: the socket's own store (``store: false`` responses go there,
+        and their chain stays attached to the socket; without one they are not
+        kept at all). Cancelled (the client went away): nothing is stored, the
+        chain is as it was, and ``CancelledError`` propagates.
+
+        Raises:
+            APIError: the engine refused the prompt (before any event was emitted).
+        """
+        chain = plan.chain
+        params = req.sampling_params()
+        stored: StoredResponse | None = None
+        try:
+            try:
+                (run,) = await admit(self.serving.engine, [plan.prompt_ids], params, chain.session_id)
+            except EngineError as e:
+                raise from_engine(e) from None
+            output_ids: list[int] = []
+            reason: FinishReason | None = None
+            usage: Usage | None = None
+            for event in draft.opening():
+                emit(event)
+            try:
+                async for out in run:
+                    for d in out.deltas:
+                        if d.index != 0:
+                            continue
+                        output_ids.extend(d.token_ids)
+                        if d.text:
+                            emit(draft.delta(d.text))
+                        if d.finish_reason is not None:
+                            reason = d.finish_reason
+                    if out.usage is not None:
+                        usage = out.usage
+            except EngineError as e:
+                raise from_engine(e) from None
+            finally:
+                await run.aclose()
+            usage = usage or Usage(len(plan.prompt_ids), 0, len(output_ids))
+            for event in draft.closing(reason or FinishReason.STOP, usage):
+                emit(event)
+            chain.history = plan.prompt_ids + output_ids
+            chain.head = draft.response_id
+            chain.resumable = req.store
+            chain.num_turns += 1
+            stored = StoredResponse(draft.response_id, chain.history, chain, draft.response())
+            target = self.store if req.store else local
+            if target is not None:
+                target.put(stored)
+                self.metrics.responses_stored.inc()
+            else:
+                chain.head = None  # nothing can name it: the chain ends with this response
+            return stored
+        finally:
+            self._settle(chain, keep_attached=local is not None)
+
+    def abandon(self, plan: TurnPlan, *, local: ResponseStore | None = None) -> None:
+        """After the task that was to :meth:`run` ``plan`` is done: settle the chain if it never ran."""
+        if plan.chain.state is SessionState.GENERATING:
+            self._settle(plan.chain, keep_attached=local is not None)
+
+    def _settle(self, chain: Session, *, keep_attached: bool) -> None:
+        """The turn is over: park the chain under the TTL, leave it to the socket, or release it."""
+        if chain.head is None:
+            self.sessions.end_turn(chain)
+            self.sessions.release(chain)
+        elif chain.resumable:
+            self.sessions.park(chain, keep=True)
+        elif keep_attached:
+            self.sessions.end_turn(chain)
+        else:
+            self.sessions.end_turn(chain)
+            self.sessions.release(chain)
+
+
+def _not_found(response_id: str) -> APIError:
+    shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
+    err = EngineError(
+        ErrorCode.PREVIOUS_RESPONSE_NOT_FOUND,
+        f"Previous response with id '{shown}' not found (unknown, expired, deleted, or stored on another "
+        "connection with store: false).",
+    )
+    return APIError(400, err.message, err.code, "previous_response_id")
