@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         "a new session is refused with too_many_sessions ('none': no cap)",
     )
     serve.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=server.max_stored_responses,
+        help="Responses API responses kept for previous_response_id (store: true); over it the least "
+        "recently used is dropped (kept at most --session-ttl s unused)",
+    )
+    serve.add_argument(
         "--swap-space",
         type=parse_bytes,
         default=cache.swap_space,
@@ -321,6 +328,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         max_stop_string_length=args.max_stop_string_length,
         session_ttl=args.session_ttl,
         max_sessions=args.max_sessions,
+        max_stored_responses=args.max_stored_responses,
         served_model_name=args.served_model_name,
         api_key=api_key,
         max_body_bytes=args.max_body_bytes,
