@@ -123,9 +123,11 @@ def create_app(
     async def api_stats(request: Request) -> Response:
         session_id = request.query_params.get("session_id") or None
         stored = responses.get(session_id) if session_id is not None else None
-        if stored is not None and stored.is_head:  # a response id names its chain's blocks
-            session_id = stored.chain.session_id
-        snap = await asyncio.to_thread(engine.snapshot, session_id)
+        pin_key = stored.chain.session_id if stored is not None and stored.is_head else session_id
+        snap = await asyncio.to_thread(engine.snapshot, pin_key)
+        if pin_key != session_id:  # a response id names its chain's blocks, under that id (the pin key stays secret)
+            blocks = list(snap.get("session_blocks", {}).values())
+            snap["session_blocks"] = {session_id: blocks[0]} if blocks else {}
         return Response(orjson.dumps(snap), media_type="application/json", headers={"Cache-Control": "no-store"})
 
     routes: list[Route | WebSocketRoute | Mount] = [

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from responses_helpers import (
     CLOSING,
@@ -91,6 +92,13 @@ def test_a_fork_shares_the_prefix_blocks_and_equals_a_fresh_chain(srv: RunningSe
         replies = chain(conn, TURNS)
         (fork,) = chain(conn, ["A different third turn."], previous=replies[1].response.id)
         assert block_counts(srv)["shared"] > 0  # the fork's full prefix blocks are the chain's (ref count 2)
+        fork_id, head_id = fork.response.id, replies[-1].response.id
+        stats = {
+            rid: httpx.get(f"{srv.http_url}/api/stats?session_id={rid}", timeout=10).json()
+            for rid in (fork_id, head_id)
+        }
+        fork_blocks, head_blocks = (set(stats[rid]["session_blocks"][rid]) for rid in (fork_id, head_id))
+        assert fork_blocks & head_blocks  # the block map names both chains' blocks; they share the prefix
         # the fork's prefix came from the prefix cache: whole blocks, at least every full block of turn 2
         cached = fork.response.usage.input_tokens_details.cached_tokens
         history = replies[1].response.usage.total_tokens
