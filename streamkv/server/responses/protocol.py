@@ -4,7 +4,7 @@ The fields streamkv reads are OpenAI's: ``model``, ``input`` (a string, or
 message items whose ``content`` is a string or ``input_text`` parts),
 ``instructions``, ``previous_response_id``, ``max_output_tokens``,
 ``temperature``, ``top_p``, ``store``, ``stream`` (HTTP only), ``stream_id``
-(WebSocket only) and ``metadata``. Unknown fields are ignored (the SDK sends
+(WebSocket only) and ``metadata``, plus vLLM's ``ignore_eos``. Unknown fields are ignored (the SDK sends
 many); a known field of the wrong type or range is refused, with the same
 strict types as the rest of the API (:mod:`streamkv.server.openai.protocol`).
 """
@@ -73,6 +73,7 @@ class ResponseCreate(BaseModel):
     stream_id: Annotated[StrictStr, Field(min_length=1, max_length=MAX_STREAM_ID_CHARS)] | None = None
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA_PAIRS)] | None = None
     tools: Annotated[list[dict[str, object]], Field(max_length=0)] | None = None  # no tool calling
+    ignore_eos: StrictBool = False  # vLLM's extension (benchmark clients such as guidellm send it)
 
     def messages(self) -> list[InputMessage]:
         """``input`` as message items (a string is one user message)."""
@@ -87,4 +88,5 @@ class ResponseCreate(BaseModel):
             max_tokens=self.max_output_tokens,
             temperature=float(self.temperature) if self.temperature is not None else DEFAULT_TEMPERATURE,
             top_p=float(self.top_p) if self.top_p is not None else 1.0,
+            ignore_eos=self.ignore_eos,
         )

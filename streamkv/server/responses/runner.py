@@ -145,7 +145,6 @@ class ResponseRunner:
         """
         chain = plan.chain
         params = req.sampling_params()
-        stored: StoredResponse | None = None
         try:
             try:
                 (run,) = await admit(self.serving.engine, [plan.prompt_ids], params, chain.session_id)
@@ -175,17 +174,16 @@ class ResponseRunner:
             usage = usage or Usage(len(plan.prompt_ids), 0, len(output_ids))
             for event in draft.closing(reason or FinishReason.STOP, usage):
                 emit(event)
-            chain.history = plan.prompt_ids + output_ids
+            stored = StoredResponse(draft.response_id, plan.prompt_ids + output_ids, chain, draft.response())
+            target = self.store if req.store else local
+            if target is None:
+                return stored  # nothing can name it (store: false over HTTP): the chain stays as it was
+            chain.history = stored.token_ids
             chain.head = draft.response_id
             chain.resumable = req.store
             chain.num_turns += 1
-            stored = StoredResponse(draft.response_id, chain.history, chain, draft.response())
-            target = self.store if req.store else local
-            if target is not None:
-                target.put(stored)
-                self.metrics.responses_stored.inc()
-            else:
-                chain.head = None  # nothing can name it: the chain ends with this response
+            target.put(stored)
+            self.metrics.responses_stored.inc()
             return stored
         finally:
             self._settle(chain, keep_attached=local is not None)
