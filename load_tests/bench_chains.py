@@ -22,14 +22,16 @@ prompt (``cached_tokens`` / prompt tokens, turns 2+), and for the chained run
 the history tokens recomputed (previous turn's prompt + output, less
 ``cached_tokens``: 1 each, the last sampled token, is the goal).
 
-The client is the ``openai`` SDK (a bounded multi-turn loop here), with
-TTFT measured to the first text event. guidellm 0.8.1, the issue's client of
-choice, can drive ``server_history`` over ``/v1/responses`` (its Responses
-handler sets ``previous_response_id`` and sends vLLM's ``ignore_eos``, which
-streamkv accepts), but its synthetic conversations are random token text
-rather than the same seeded conversations for every run, and it was not run
-in the session that wrote this script; a ``--client guidellm`` mode is the
-next step.
+The client is guidellm (``--client guidellm``, the default when its venv
+exists at ``--guidellm-venv``; install it there with ``python3 -m venv`` and
+``pip install guidellm``, never into the project): synthetic seeded
+conversations of ``--turns`` turns (``--prompt-tokens`` per user turn,
+``--output-len`` per answer, ``ignore_eos``), ``--conversations`` concurrent
+streams; the chained run uses its ``server_history`` mode on
+``/v1/responses`` (``previous_response_id``), the others resend the
+transcript on ``/v1/chat/completions``. Per-request turn index, TTFT and
+``cached_tokens`` come from its JSON report. ``--client sdk`` drives the same
+shape of workload with the ``openai`` SDK instead (seeded word messages).
 
     .venv/bin/python -m load_tests.bench_chains                                 # all three, 16 x 8
     .venv/bin/python -m load_tests.bench_chains --conversations 4 --turns 4 --runs chained stateless
@@ -54,10 +56,6 @@ from load_tests import peer_setup  # noqa: E402
 from load_tests.bench_serve import Server  # noqa: E402
 from load_tests.common import free_port, percentile, print_header, table, write_json  # noqa: E402
 
-GUIDELLM_NOTE = (
-    "guidellm 0.8.1 has a server_history mode for /v1/responses (it sends previous_response_id), but it was not "
-    "run here (see the module docstring); the same conversations are driven by the openai SDK"
-)
 WORDS = ("river stone light garden paper window music story winter market bridge forest "
          "number yellow silver engine planet letter castle ocean").split()  # fmt: skip
 BLOCK_SIZE = 16
@@ -182,6 +180,59 @@ async def drive(name: str, base_url: str, model: str, convs: list[list[str]], ar
     return run
 
 
+def guidellm_command(kind: str, base_url: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """guidellm's command line for one run: ``server_history`` on /v1/responses, or the transcript on chat."""
+    route = "/v1/responses,server_history=true" if kind == "chained" else "/v1/chat/completions"
+    tokenizer = args.tokenizer or str(peer_setup.ensure_hf_model(args.cache_dir))
+    return [str(args.guidellm_venv / "bin" / "guidellm"), "run",
+            "--backend", f"kind=openai_http,target={base_url},model={args.model_name},validate_backend=false,"
+                         f"request_format={route}",
+            "--profile", f"kind=concurrent,streams={args.conversations}",
+            "--constraint", f"kind=max_requests,count={args.conversations * args.turns}",
+            "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_len},"
+                      f"turns={args.turns}",
+            "--tokenizer", f"kind=hf_auto,model={tokenizer}",
+            "--output", f"kind=json,path={out}", "--disable-console-interactive"]  # fmt: skip
+
+
+async def drive_guidellm(kind: str, base_url: str, args: argparse.Namespace, out: Path) -> RunResult:
+    """Run guidellm (bounded by ``--timeout``) beside the background clients; read its per-request report."""
+    import json
+
+    run = RunResult(kind)
+    stop = asyncio.Event()
+    bg = [asyncio.create_task(background(base_url, args.model_name, stop, args.seed + i, args.background_words))
+          for i in range(args.background)]  # fmt: skip
+    cmd = guidellm_command(kind, base_url, args, out)
+    print("guidellm: " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with open(out.with_suffix(".log"), "wb") as log:
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=log, stderr=asyncio.subprocess.STDOUT)
+        try:
+            code = await asyncio.wait_for(proc.wait(), args.timeout)
+        except TimeoutError:
+            proc.kill()
+            code = await proc.wait()
+    run.wall_s = time.perf_counter() - t0
+    stop.set()
+    await asyncio.gather(*bg, return_exceptions=True)
+    if code != 0:
+        run.errors.append(f"guidellm exited with {code}; log {out.with_suffix('.log')}")
+        return run
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    requests = sorted(bench["requests"]["successful"], key=lambda r: (r["info"]["conversation_id"],
+                                                                       r["info"]["turn_index"]))  # fmt: skip
+    run.errors += [str(r["info"].get("error")) for r in bench["requests"]["errored"]]
+    for r in requests:
+        timings, inp = r["info"]["timings"], r["input_metrics"]
+        first = timings.get("first_token_iteration")
+        ttft = first - timings["request_start"] if first is not None else None
+        out_tokens = (r.get("output_metrics") or {}).get("text_tokens") or 0
+        run.turns.append(TurnResult(r["info"]["turn_index"] + 1, ttft, inp["text_tokens"] or 0,
+                                    inp.get("cached_tokens") or 0, out_tokens))  # fmt: skip
+    return run
+
+
 # ---------------------------------------------------------------- servers
 
 
@@ -285,6 +336,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
     p.add_argument("--cache-dir", type=Path, default=peer_setup.default_cache_dir())
+    p.add_argument("--client", choices=["guidellm", "sdk"], default=None,
+                   help="default: guidellm when --guidellm-venv has it, else the openai SDK")  # fmt: skip
+    p.add_argument("--guidellm-venv", type=Path, default=peer_setup.default_cache_dir() / "guidellm")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="guidellm: tokens per user turn")
+    p.add_argument("--tokenizer", default=None, help="guidellm: HF tokenizer folder (default: the HF copy)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     return p.parse_args(argv)
 
@@ -292,7 +348,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     header = print_header("response chains vs stateless chat vs vllm serve", "load_tests.bench_chains")
-    print(f"client: the openai SDK ({GUIDELLM_NOTE})")
+    if args.client is None:
+        args.client = "guidellm" if (args.guidellm_venv / "bin" / "guidellm").is_file() else "sdk"
+    print(f"client: {args.client}")
     convs = conversations(args.conversations, args.turns, args.user_words, args.seed)
     num_blocks = pool_blocks(args)
     print(f"{args.conversations} conversations x {args.turns} turns, answers <= {args.output_len} tokens, greedy; "
@@ -302,9 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     summaries: dict[str, dict[str, Any]] = {}
     for name in args.runs:
         make = vllm_server if name == "vllm" else streamkv_server
+        kind = "chained" if name == "chained" else "stateless"
         with make(args, num_blocks, log_dir) as srv:
-            run = asyncio.run(drive("chained" if name == "chained" else "stateless", srv.base_url, args.model_name,
-                                    convs, args))  # fmt: skip
+            if args.client == "guidellm":
+                run = asyncio.run(drive_guidellm(kind, srv.base_url, args, log_dir / f"guidellm-{name}.json"))
+            else:
+                run = asyncio.run(drive(kind, srv.base_url, args.model_name, convs, args))
         summaries[name] = summarize(run, args.turns)
         if name == "chained":
             rec = recomputed_history(run, args.conversations)
