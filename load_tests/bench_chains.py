@@ -24,8 +24,8 @@ the history tokens recomputed (previous turn's prompt + output, less
 
 The client is guidellm (``--client guidellm``, the default when its venv
 exists at ``--guidellm-venv``; install it there with ``python3 -m venv`` and
-``pip install guidellm``, never into the project): synthetic seeded
-conversations of ``--turns`` turns (``--prompt-tokens`` per user turn,
+``pip install guidellm``, never into the project): synthetic conversations
+seeded by ``--seed``, of ``--turns`` turns (``--prompt-tokens`` per user turn,
 ``--output-len`` per answer, ``ignore_eos``), ``--conversations`` concurrent
 streams; the chained run uses its ``server_history`` mode on
 ``/v1/responses`` (``previous_response_id``), the others resend the
@@ -191,7 +191,7 @@ def guidellm_command(kind: str, base_url: str, args: argparse.Namespace, out: Pa
             "--constraint", f"kind=max_requests,count={args.conversations * args.turns}",
             "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_len},"
                       f"turns={args.turns}",
-            "--tokenizer", f"kind=hf_auto,model={tokenizer}",
+            "--tokenizer", f"kind=hf_auto,model={tokenizer}", "--seed", f"kind=static,value={args.seed}",
             "--output", f"kind=json,path={out}", "--disable-console-interactive"]  # fmt: skip
 
 
@@ -238,7 +238,7 @@ async def drive_guidellm(kind: str, base_url: str, args: argparse.Namespace, out
 
 def pool_blocks(args: argparse.Namespace) -> int:
     """``--pool-factor`` x the conversations' working set: each one's final length, in blocks."""
-    per_turn = args.user_words * EST_TOKENS_PER_WORD + 12 + args.output_len
+    per_turn = max(args.user_words * EST_TOKENS_PER_WORD, args.prompt_tokens) + 12 + args.output_len
     final_len = TEMPLATE_TOKENS + args.turns * per_turn
     working_set = args.conversations * -(-int(final_len) // BLOCK_SIZE)
     return max(64, int(args.pool_factor * working_set))
