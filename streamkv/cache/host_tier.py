@@ -93,25 +93,31 @@ class HostTier:
     def allocate(self, num_blocks: int, keep: str | None = None) -> list[int] | None:
         """Host block ids for a session of ``num_blocks`` blocks, evicting LRU sessions for room.
 
-        ``keep`` is never evicted. Returns ``None``, evicting nothing, when
-        the free blocks plus those of the other sessions are too few (the rest
-        is held by preempted sequences or read by a pending swap-in).
+        ``keep``, and sessions whose device -> host copy is still pending, are
+        never evicted. Returns ``None``, evicting nothing, when the free blocks
+        plus those of the evictable sessions are too few (the rest is held by
+        preempted sequences or waits for a pending copy). The returned blocks
+        have no copy pending into them: the caller may write them at once.
         Evicted blocks are free at once: the runner reads spilled blocks
         before it applies any copy of the step (see :class:`SpillJob`).
         """
         space = self.space
-        keep_blocks = len(self.sessions[keep].host_block_ids) if keep in self.sessions else 0
-        if num_blocks == 0 or space.num_free_blocks + self.num_blocks - keep_blocks < num_blocks:
+        victims = [s for s in self.sessions if s != keep and s not in self._fresh]
+        evictable = sum(len(self.sessions[s].host_block_ids) for s in victims)
+        if num_blocks == 0 or space.num_free_blocks + evictable < num_blocks:
             return None
-        while space.num_free_blocks < num_blocks:
-            self.evict(next(s for s in self.sessions if s != keep))
+        for victim in victims:
+            if space.num_free_blocks >= num_blocks:
+                break
+            self.evict(victim)
         return space.allocate(num_blocks)
 
     def add(self, session: HostSession, copy_pending: bool) -> None:
         """Register a session holding freshly allocated host blocks (most recent).
 
         ``copy_pending``: its device -> host copy rides on this step (an
-        offload); until :meth:`end_window` it is dropped rather than spilled.
+        offload); until :meth:`end_window` it is not evicted, and its blocks
+        are not reused this step if it is dropped.
         """
         self.sessions[session.session_id] = session
         self.num_blocks += len(session.host_block_ids)
@@ -138,15 +144,24 @@ class HostTier:
         session = self.remove(session_id)
         if session is None:
             return False
-        self.space.free(session.host_block_ids)
+        if session_id in self._fresh:  # its device -> host copy is still pending: no reuse this step
+            self.space.free_later(session.host_block_ids)
+        else:
+            self.space.free(session.host_block_ids)
         return True
 
     def evict(self, session_id: str) -> None:
-        """Make room: spill the session to disk, or drop it; its blocks are free at once."""
+        """Make room: spill the session to disk, or drop it; its blocks are free at once.
+
+        Raises:
+            ValueError: the session's device -> host copy is still pending.
+        """
+        if session_id in self._fresh:
+            raise ValueError(f"session {session_id!r} was offloaded this step; it cannot be evicted yet")
         session = self.remove(session_id)
         assert session is not None
         self.space.free(session.host_block_ids)
-        if self.spill_to_disk and session_id not in self._fresh:
+        if self.spill_to_disk:
             self._spills.append(SpillJob(session))
             self.counters.spilled_sessions += 1
             self.counters.spilled_blocks += len(session.host_block_ids)
@@ -154,11 +169,14 @@ class HostTier:
             self.counters.dropped_sessions += 1
 
     def take_spills(self) -> list[SpillJob]:
-        """Spill jobs made since the last call, for the scheduler's output; ends the step's window."""
+        """Spill jobs made since the last call (their host blocks must be read before any copy into them)."""
         spills, self._spills = self._spills, []
+        return spills
+
+    def end_window(self) -> None:
+        """The step's copies are sealed (end of ``schedule``): pending offloads count as done."""
         self._fresh.clear()
         self.space.end_window()
-        return spills
 
     def check_invariants(self) -> None:
         held = sum(len(s.host_block_ids) for s in self.sessions.values())

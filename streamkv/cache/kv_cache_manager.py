@@ -366,7 +366,9 @@ class KVCacheManager:
         """
         out, self._swap_out = self._swap_out, []
         into, self._swap_in = self._swap_in, []
-        return out, into, self.host_sessions.take_spills()
+        spills = self.host_sessions.take_spills()
+        self.host_sessions.end_window()
+        return out, into, spills
 
     def _release_swap_in_source(self, host_ids: list[int]) -> None:
         # With offload, a session may be offloaded into these host blocks later in

@@ -10,12 +10,13 @@ Each step takes at most ``max_num_batched_tokens`` tokens from at most
 
 A sequence takes ``min(tokens left to compute, budget left)``. When the
 pool cannot give a running sequence its slots, idle sessions are unpinned
-first (offloaded to the host tier when session offload is on); then a running sequence is preempted (recompute: blocks freed,
-requeued at the front; swap: blocks copied to the host tier), until the
-sequence fits or is itself the victim. The victim is the newest running
-sequence that is not re-prefilling after a preemption (then the newest of
-those), never a *protected* one. Waiting sequences never preempt anybody,
-and nothing is admitted in a step that preempted.
+first (offloaded to the host tier when session offload is on); then a
+running sequence is preempted (recompute: blocks freed, requeued at the
+front; swap: blocks copied to the host tier), until the sequence fits or
+is itself the victim. The victim is the newest running sequence that is
+not re-prefilling after a preemption (then the newest of those), never a
+*protected* one. Waiting sequences never preempt anybody, and nothing is
+admitted in a step that preempted.
 
 Admission is all or nothing (vLLM v1): a waiting sequence adopts its
 session's pin or references its prefix hits only together with the blocks
