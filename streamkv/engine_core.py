@@ -64,7 +64,9 @@ class EngineCore:
         self.block_size = cc.block_size
         block_bytes = kv_bytes_per_block(self.loaded, cc.block_size)
         self.num_blocks = cc.num_blocks or self._blocks_for_budget(block_bytes)
-        num_host_blocks = min(cc.swap_space // block_bytes, self.num_blocks)
+        num_host_blocks = cc.swap_space // block_bytes
+        if not cc.session_offload:  # preempted sequences alone never need more than the pool
+            num_host_blocks = min(num_host_blocks, self.num_blocks)
         pool_tokens = self.num_blocks * cc.block_size
         self.max_model_len = sc.max_model_len or min(self.loaded.max_model_len, pool_tokens)
         if self.max_model_len > self.loaded.max_model_len:

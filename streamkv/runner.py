@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 
 import torch
@@ -60,12 +61,15 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(m.num_layers)]
         host_shape = (2, num_host_blocks, block_size, m.num_kv_heads, m.head_dim)
         pin = device.type == "cuda"
+        # empty, not zeros: a host block is read only after a copy filled it, and untouched
+        # pages of a large swap space cost no memory until used
         self.host_caches = [
-            torch.zeros(host_shape, dtype=loaded.dtype, pin_memory=pin)
+            torch.empty(host_shape, dtype=loaded.dtype, pin_memory=pin)
             for _ in range(m.num_layers if num_host_blocks else 0)
         ]
         # swaps run on their own CUDA stream; compute waits for them before the forward
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.copy_seconds = 0.0  # engine-thread time in host <-> device copies (on CUDA: issuing them)
 
     # Every KV tensor of a layer, as the tier lists block_copy works on (a quantized
     # cache adds its scale tensors to each layer's list; nothing else changes).
@@ -132,6 +136,7 @@ class ModelRunner:
 
     def _apply_copies(self, out: SchedulerOutput) -> None:
         stream = self._copy_stream
+        t0 = time.perf_counter()
         if stream is not None and (out.swap_out or out.swap_in):
             stream.wait_stream(torch.cuda.current_stream(self.device))  # device blocks as of now
         with torch.cuda.stream(stream) if stream is not None else _no_stream():
@@ -146,6 +151,7 @@ class ModelRunner:
                             [d for _, d in out.swap_in], non_blocking=True)  # fmt: skip
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.copy_seconds += time.perf_counter() - t0
         if out.copies:
             src = torch.tensor([s for s, _ in out.copies], device=self.device)
             dst = torch.tensor([d for _, d in out.copies], device=self.device)

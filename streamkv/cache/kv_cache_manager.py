@@ -51,7 +51,7 @@ class KVCacheManager:
         enable_prefix_caching: hash full blocks and reuse them across requests.
         extra_key: bytes folded into every block hash (model identity).
         max_pinned_blocks: most blocks idle sessions may pin together.
-        num_host_blocks: swap tier size (capped at ``num_blocks``).
+        num_host_blocks: swap tier size (capped at ``num_blocks`` without ``offload_sessions``).
         offload_sessions: a pin that gives way moves to the host tier
             (:mod:`streamkv.cache.host_tier`) instead of being dropped.
         spill_to_disk: sessions evicted from a full host tier become spill
@@ -73,7 +73,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_key = extra_key
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.host = SwapSpace(min(num_host_blocks, num_blocks))
+        # preempted sequences alone never need more host blocks than the pool has;
+        # offloaded idle sessions do (the host tier is where most of them live)
+        self.host = SwapSpace(num_host_blocks if offload_sessions else min(num_host_blocks, num_blocks))
         self.seq_blocks: dict[int, list[KVBlock]] = {}
         self.swapped: dict[int, list[int]] = {}  # seq id -> host block ids
         self.sessions = SessionPins(self.pool, num_blocks if max_pinned_blocks is None else max_pinned_blocks)
