@@ -68,6 +68,7 @@ def test_host_round_trip_is_bitwise_and_greedy_equal(tiny, reference):
     turn(llm, P_B, "b")  # b's pin pushes a's to the host tier
     assert core.kv.is_offloaded("a") and "a" not in core.kv.sessions
     core.step()  # no work: applies the pending device -> host copies
+    assert core.snapshot()["offload"]["host_sessions"] == 1  # /api/stats carries the tiers
     host = core.kv.host_sessions.get("a")
     assert host is not None and host.token_ids == tokens
     _assert_same_kv(core.runner.read_host_blocks(host.host_block_ids), saved)
@@ -263,3 +264,31 @@ def test_read_only_dir_logs_once_and_serves(tiny, reference, tmp_path, caplog):
         tier.close()
     fresh = make_llm(tiny)
     assert turn(fresh, history + NEXT, "a").outputs[0].token_ids == t2_ref
+
+
+@pytest.mark.parametrize("host_blocks", [64, 8])  # host tier for all; for two (the rest spill to disk)
+def test_interleaved_conversations_equal_a_roomy_pool(tiny, tmp_path, host_blocks):
+    """Six conversations, three turns, all in flight together in a pool for about two: same greedy tokens."""
+    prompts = prompts_of([30] * 6, seed=21)
+    users = [prompts_of([5] * 6, seed=22 + k) for k in range(2)]
+
+    def conversations(llm: LLM) -> list[list[int]]:
+        history = [list(p) for p in prompts]
+        for k in range(3):
+            batch = history if k == 0 else [h + users[k - 1][i] for i, h in enumerate(history)]
+            outs = llm.generate(batch, greedy(6), session_ids=[f"s{i}" for i in range(6)])
+            history = [b + o.outputs[0].token_ids for b, o in zip(batch, outs, strict=True)]
+            llm.core.check_invariants()
+        return history
+
+    want = conversations(make_llm(tiny, session_offload=False))
+    bb = kv_bytes_per_block(tiny, 16)
+    llm = make_llm(tiny, num_blocks=12, max_pinned_fraction=0.5, swap_space=host_blocks * bb,
+                   kv_offload_dir=str(tmp_path))  # fmt: skip
+    assert conversations(llm) == want
+    off = llm.core.stats.kv.offload
+    assert off.restored_sessions > 0
+    if host_blocks == 8:
+        assert off.spilled_sessions > 0 and off.disk_restored_sessions > 0
+    _release_all(llm, *[f"s{i}" for i in range(6)])
+    llm.core.close()
