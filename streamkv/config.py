@@ -64,7 +64,15 @@ class CacheConfig:
         num_blocks: exact pool size, overriding both (tests, benchmarks).
         enable_prefix_caching: reuse full blocks across requests by hash chain.
         max_pinned_fraction: most of the pool that idle sessions may pin.
-        swap_space: bytes of host memory for swapped-out blocks.
+        swap_space: bytes of host memory for swapped-out blocks: sequences
+            preempted by swap and idle sessions offloaded off the pool share it.
+        session_offload: a session pin that has to give way moves to the host
+            tier (``swap_space``) instead of being dropped; its next turn swaps
+            it back in (:mod:`streamkv.cache.host_tier`).
+        kv_offload_dir: a directory for the disk tier: sessions the host tier
+            evicts, and at shutdown every pinned or host session, are saved
+            there and survive a restart; ``None``: no disk tier.
+        kv_offload_disk_space: most bytes of session files in ``kv_offload_dir``.
     """
 
     block_size: int = 16
@@ -74,6 +82,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5
     swap_space: int = 256 * MiB
+    session_offload: bool = True
+    kv_offload_dir: str | None = None
+    kv_offload_disk_space: int = 4096 * MiB
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -88,6 +99,10 @@ class CacheConfig:
             raise ValueError("max_pinned_fraction must be in [0, 1]")
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0")
+        if self.kv_offload_disk_space < 0:
+            raise ValueError("kv_offload_disk_space must be >= 0")
+        if self.kv_offload_dir is not None and not self.kv_offload_dir.strip():
+            raise ValueError("kv_offload_dir must not be empty (omit it for no disk tier)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,6 +164,15 @@ class AsyncEngine:
         """Drop a session's pinned blocks (applied before the next step)."""
         self._commands.put(ReleaseSession(session_id))
 
+    def saved_sessions(self) -> list[tuple[str, list[int]]]:
+        """``(session_id, history)`` of conversations saved by ``--kv-offload-dir`` before a restart."""
+        return self.core.saved_sessions()
+
+    @property
+    def keeps_sessions(self) -> bool:
+        """Sessions outlive a shutdown (``--kv-offload-dir``): the server should not release them then."""
+        return self.config.cache.kv_offload_dir is not None and self.config.cache.session_offload
+
     def snapshot(self, session_id: str | None = None, include_blocks: bool = True) -> dict[str, Any]:
         """The last published stats as JSON (see :func:`streamkv.stats.snapshot_json`); safe from any thread."""
         return self.core.snapshot(session_id, include_blocks)
@@ -194,6 +203,7 @@ class AsyncEngine:
         finally:
             for rid in list(core.requests):
                 core.abort(rid)
+            core.close()
 
     def _handle(self, command: EngineCommand) -> None:
         core = self.core

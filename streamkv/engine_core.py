@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+from streamkv.cache.disk_tier import DiskTier, kv_fingerprint
 from streamkv.cache.kv_cache_manager import KVCacheManager, cdiv
+from streamkv.cache.offload import SessionOffload
 from streamkv.config import EngineConfig
 from streamkv.errors import EngineError, ErrorCode
 from streamkv.metrics_hooks import MetricsHooks
-from streamkv.model.loader import LoadedModel, load_model
+from streamkv.model.loader import LoadedModel, default_model_path, load_model
 from streamkv.output_processor import OutputProcessor
 from streamkv.outputs import RequestSink, TokenLogprob
 from streamkv.runner import (
@@ -32,6 +34,7 @@ from streamkv.runner import (
 )
 from streamkv.sampling import apply_min_tokens, compute_logprobs, sample_batch
 from streamkv.sampling_params import SamplingParams
+from streamkv.sched.output import SchedulerOutput
 from streamkv.sched.request import Request, SeqStatus, Sequence
 from streamkv.sched.scheduler import Scheduler
 from streamkv.stats import EngineStats, snapshot_json
@@ -61,7 +64,9 @@ class EngineCore:
         self.block_size = cc.block_size
         block_bytes = kv_bytes_per_block(self.loaded, cc.block_size)
         self.num_blocks = cc.num_blocks or self._blocks_for_budget(block_bytes)
-        num_host_blocks = min(cc.swap_space // block_bytes, self.num_blocks)
+        num_host_blocks = cc.swap_space // block_bytes
+        if not cc.session_offload:  # preempted sequences alone never need more than the pool
+            num_host_blocks = min(num_host_blocks, self.num_blocks)
         pool_tokens = self.num_blocks * cc.block_size
         self.max_model_len = sc.max_model_len or min(self.loaded.max_model_len, pool_tokens)
         if self.max_model_len > self.loaded.max_model_len:
@@ -75,12 +80,15 @@ class EngineCore:
             extra_key=self.loaded.name.encode(),
             max_pinned_blocks=int(cc.max_pinned_fraction * self.num_blocks),
             num_host_blocks=num_host_blocks,
+            offload_sessions=cc.session_offload,
+            spill_to_disk=cc.session_offload and cc.kv_offload_dir is not None,
         )
         self.scheduler = Scheduler(sc, self.kv)
         self.backend = make_backend(config.model.attention_backend, self.device)
         self.runner = ModelRunner(
             self.loaded, self.backend, self.num_blocks, cc.block_size, num_host_blocks, self.device
         )
+        self.offload = SessionOffload(self.kv, self.runner, self._disk_tier(), block_bytes)
         self.outputs = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler.finish, metrics, config.model.seed
         )
@@ -95,6 +103,16 @@ class EngineCore:
             self.num_blocks, cc.block_size, pool_tokens, self.num_blocks * block_bytes / 2**20,
             block_bytes // cc.block_size, num_host_blocks, self.max_model_len, self.backend.name, self.device,
         )  # fmt: skip
+
+    def _disk_tier(self) -> DiskTier | None:
+        cc = self.config.cache
+        if cc.kv_offload_dir is None:
+            return None
+        m, kv0 = self.loaded.model, self.runner.kv_caches[0]
+        path = self.config.model.model or default_model_path()
+        kv_shape = [kv0.shape[0], *kv0.shape[2:]]
+        fingerprint = kv_fingerprint(m, path, self.loaded.dtype, kv0.dtype, cc.block_size, kv_shape)
+        return DiskTier(cc.kv_offload_dir, cc.kv_offload_disk_space, fingerprint)
 
     def _blocks_for_budget(self, block_bytes: int) -> int:
         cc, sc = self.config.cache, self.config.scheduler
@@ -165,6 +183,8 @@ class EngineCore:
             order=next(self._order),
             session_id=session_id,
         )
+        if session_id is not None:
+            self.offload.prepare_turn(session_id)  # a session saved on disk comes back to the host tier
         seq = Sequence(next(self._seq_ids), req, 0, list(prompt_token_ids), len(prompt_token_ids))
         req.seqs.append(seq)
         self.outputs.add_request(req, sink)
@@ -181,8 +201,25 @@ class EngineCore:
 
     def release_session(self, session_id: str) -> bool:
         found = self.kv.release_session(session_id)
+        self.offload.release(session_id)
         self.publish_stats()
         return found
+
+    def saved_sessions(self) -> list[tuple[str, list[int]]]:
+        """``(session_id, history)`` of the sessions saved on disk when the engine started."""
+        return self.offload.saved_sessions()
+
+    def close(self) -> None:
+        """Shutdown: save idle sessions to the disk tier (if any) and stop its writer."""
+        try:
+            pending = SchedulerOutput()  # copies decided after the last step (pins given way since)
+            pending.swap_out, pending.swap_in, pending.spills = self.kv.take_transfers()
+            spilled = self.offload.read_spills(pending.spills)
+            self.runner.execute(pending)
+            self.offload.write_spills(pending.spills, spilled)
+            self.offload.save_all()
+        finally:
+            self.offload.close()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -202,7 +239,9 @@ class EngineCore:
             if self.scheduler.has_work():
                 self._observe_progress(0)
             return False
+        spilled = self.offload.read_spills(out.spills)  # before the step's copies reuse their host blocks
         logits = self.runner.execute(out)
+        self.offload.write_spills(out.spills, spilled)
         sampling = self.scheduler.update(out)
         seqs: list[Sequence] = []  # the sequences that sample, and the logits row each reads
         row_ids: list[int] = []
@@ -259,4 +298,5 @@ class EngineCore:
             req = state.request
             if req.session_id is not None and req.seqs and req.seqs[0].status is SeqStatus.RUNNING:
                 turns[req.session_id] = tuple(self.kv.block_table(req.seqs[0].seq_id))
-        return EngineStats(self.scheduler.stats(), self.kv.stats(), self.outputs.stats(), turns)
+        kv = self.kv.stats(self.offload.stats())
+        return EngineStats(self.scheduler.stats(), kv, self.outputs.stats(), turns)

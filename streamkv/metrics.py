@@ -255,6 +255,34 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
+def _offload_families(off: Mapping[str, Any]) -> Iterator[Metric]:
+    """Idle sessions off the device pool (``snap["offload"]``, see ``OffloadStats``)."""
+    sessions = GaugeMetricFamily(
+        "streamkv_offload_sessions", "Idle sessions whose KV is off the pool.", labels=["tier"]
+    )
+    blocks = GaugeMetricFamily("streamkv_offload_blocks", "KV blocks of offloaded sessions.", labels=["tier"])
+    for tier in ("host", "disk"):
+        sessions.add_metric([tier], _num(off, f"{tier}_sessions"))
+        blocks.add_metric([tier], _num(off, f"{tier}_blocks"))
+    yield sessions
+    yield blocks
+    yield _gauge("streamkv_offload_disk_bytes", "Bytes of session files in --kv-offload-dir.", _num(off, "disk_bytes"))
+    moves = CounterMetricFamily(
+        "streamkv_offload_transfers", "Sessions moved between tiers (drop: KV forgotten).", labels=["kind"]
+    )
+    kinds = {"offload": "offloaded", "restore": "restored", "spill": "spilled", "disk_restore": "disk_restored"}
+    for kind, field in kinds.items():
+        moves.add_metric([kind], _num(off, f"{field}_sessions"))
+    moves.add_metric(["drop"], _num(off, "dropped_sessions"))
+    yield moves
+    nbytes = CounterMetricFamily("streamkv_offload_bytes", "KV bytes moved between tiers.", labels=["kind"])
+    for kind, field in {"offload": "offloaded", "restore": "restored", "disk_write": "disk_written",
+                        "disk_read": "disk_read"}.items():  # fmt: skip
+        nbytes.add_metric([kind], _num(off, f"{field}_bytes"))
+    yield nbytes
+    yield _counter("streamkv_offload_disk_errors", "Session files not written or not usable.", _num(off, "disk_errors"))
+
+
 def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
     requests = snap.get("requests") or {}
     sessions = snap.get("sessions") or {}
@@ -300,6 +328,7 @@ def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
     yield _counter(
         "streamkv_swapped_out_blocks", "Blocks copied out to host memory.", _num(counters, "swapped_out_blocks")
     )
+    yield from _offload_families(snap.get("offload") or {})
     success = CounterMetricFamily(
         "streamkv_request_success", "Finished requests by reason.", labels=["finished_reason"]
     )

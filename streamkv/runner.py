@@ -8,12 +8,16 @@ that sizes the KV pool.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
 
 import torch
 
 from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
+from streamkv.cache.block_copy import LayerKV, copy_blocks, gather_blocks, scatter_blocks
 from streamkv.model.loader import LoadedModel
 from streamkv.sched.output import SchedulerOutput
 
@@ -57,10 +61,43 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(m.num_layers)]
         host_shape = (2, num_host_blocks, block_size, m.num_kv_heads, m.head_dim)
         pin = device.type == "cuda"
+        # empty, not zeros: a host block is read only after a copy filled it, and untouched
+        # pages of a large swap space cost no memory until used
         self.host_caches = [
-            torch.zeros(host_shape, dtype=loaded.dtype, pin_memory=pin)
+            torch.empty(host_shape, dtype=loaded.dtype, pin_memory=pin)
             for _ in range(m.num_layers if num_host_blocks else 0)
         ]
+        # swaps run on their own CUDA stream; compute waits for them before the forward
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.copy_seconds = 0.0  # engine-thread time in host <-> device copies (on CUDA: issuing them)
+
+    # Every KV tensor of a layer, as the tier lists block_copy works on (a quantized
+    # cache adds its scale tensors to each layer's list; nothing else changes).
+    @property
+    def device_tier(self) -> list[LayerKV]:
+        return [[t] for t in self.kv_caches]
+
+    @property
+    def host_tier(self) -> list[LayerKV]:
+        return [[t] for t in self.host_caches]
+
+    def read_host_blocks(self, host_block_ids: list[int]) -> list[list[torch.Tensor]]:
+        """Copies of host blocks (per layer, per tensor, block dim 1), after any swap in flight."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        return gather_blocks(self.host_tier, host_block_ids)
+
+    def write_host_blocks(self, host_block_ids: list[int], data: list[list[torch.Tensor]]) -> None:
+        """Fill host blocks with KV read back from disk (see :func:`scatter_blocks` for errors)."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        scatter_blocks(self.host_tier, host_block_ids, data)
+
+    def read_device_blocks(self, block_ids: list[int]) -> list[list[torch.Tensor]]:
+        """CPU copies of device blocks (shutdown: pinned sessions saved to disk)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return gather_blocks(self.device_tier, block_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -98,21 +135,33 @@ class ModelRunner:
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
     def _apply_copies(self, out: SchedulerOutput) -> None:
-        if out.swap_out:
-            src = torch.tensor([d for d, _ in out.swap_out], device=self.device)
-            dst = torch.tensor([h for _, h in out.swap_out])
-            for dev, host in zip(self.kv_caches, self.host_caches, strict=True):
-                host[:, dst] = dev[:, src].to("cpu")
-        if out.swap_in:
-            src = torch.tensor([h for h, _ in out.swap_in])
-            dst = torch.tensor([d for _, d in out.swap_in], device=self.device)
-            for dev, host in zip(self.kv_caches, self.host_caches, strict=True):
-                dev[:, dst] = host[:, src].to(self.device)
+        stream = self._copy_stream
+        t0 = time.perf_counter()
+        if stream is not None and (out.swap_out or out.swap_in):
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # device blocks as of now
+        with torch.cuda.stream(stream) if stream is not None else _no_stream():
+            if out.swap_out:
+                # list order: a later copy into a host block wins, so keep one copy per host
+                # block, the last decided (index_put with duplicate indices is unordered).
+                # Device -> host is blocking: the host side is written by the CPU right after.
+                last = {h: d for d, h in out.swap_out}
+                copy_blocks(self.device_tier, self.host_tier, list(last.values()), list(last))
+            if out.swap_in:
+                copy_blocks(self.host_tier, self.device_tier, [h for h, _ in out.swap_in],
+                            [d for _, d in out.swap_in], non_blocking=True)  # fmt: skip
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.copy_seconds += time.perf_counter() - t0
         if out.copies:
             src = torch.tensor([s for s, _ in out.copies], device=self.device)
             dst = torch.tensor([d for _, d in out.copies], device=self.device)
             for dev in self.kv_caches:
                 dev[:, dst] = dev[:, src]
+
+
+@contextlib.contextmanager
+def _no_stream() -> Iterator[None]:
+    yield
 
 
 # ------------------------------------------------------- device and memory

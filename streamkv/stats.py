@@ -10,6 +10,7 @@ collector) only ever read a published record, never live engine state.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +44,8 @@ def snapshot_json(stats: EngineStats, session_id: str | None = None, include_blo
 
     Keys: ``t`` (unix s, when this dict is built), ``num_blocks``,
     ``block_size``, ``state_names``, ``counts``, ``kv_usage`` (0..1),
-    ``requests``, ``sessions``, ``counters``, ``finished``, ``tokens_per_s``
+    ``requests``, ``sessions``, ``counters``, ``offload`` (the fields of
+    :class:`~streamkv.cache.cache_stats.OffloadStats`), ``finished``, ``tokens_per_s``
     (over the last 5 s, as of now); with ``include_blocks`` also ``states``
     (base64, one byte per block, see ``state_names``) and ``session_blocks``
     (``{session_id: block ids}``, its pin or its turn in flight; empty
@@ -76,6 +78,7 @@ def snapshot_json(stats: EngineStats, session_id: str | None = None, include_blo
             "cow_copies": kv.cow_copies,
             "swapped_out_blocks": kv.num_swapped_out_blocks,
         },
+        "offload": dataclasses.asdict(kv.offload),  # sessions off the pool (host, disk tiers)
         "finished": {str(reason): n for reason, n in out.finished.items()},
         "tokens_per_s": out.tokens_per_s(),
     }

@@ -392,6 +392,12 @@ function renderFigures(s) {
     ["CoW copies", fmtInt(c.cow_copies)],
     ["swapped out", fmtInt(c.swapped_out_blocks)],
   ];
+  const off = s.offload;
+  if (off && (off.host_sessions || off.disk_sessions)) {
+    // idle sessions whose KV lives off the pool: host memory, then disk
+    items.push(["off the pool", `${fmtInt((off.host_sessions | 0) + (off.disk_sessions | 0))} sessions ` +
+      `(host ${fmtInt(off.host_sessions)}, disk ${fmtInt(off.disk_sessions)})`]);
+  }
   foot.replaceChildren(...items.map(([k, v]) => {
     const span = document.createElement("span");
     const b = document.createElement("b");

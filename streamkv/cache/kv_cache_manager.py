@@ -23,8 +23,10 @@ from typing import Protocol
 
 from streamkv.cache.block import KVBlock
 from streamkv.cache.block_pool import BlockPool
-from streamkv.cache.cache_stats import KVCacheStats
+from streamkv.cache.cache_stats import KVCacheStats, OffloadStats
 from streamkv.cache.hashing import BlockHash, hash_block_tokens
+from streamkv.cache.host_offload import HostOffloadMixin, cdiv
+from streamkv.cache.host_tier import HostTier
 from streamkv.cache.session_pins import SessionPins
 from streamkv.cache.swap_space import SwapSpace
 
@@ -37,11 +39,10 @@ class CacheSeq(Protocol):
     num_computed_tokens: int
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["CacheSeq", "KVCacheManager", "cdiv"]
 
 
-class KVCacheManager:
+class KVCacheManager(HostOffloadMixin):
     """Blocks per sequence and per session over one :class:`BlockPool`.
 
     Args:
@@ -50,7 +51,11 @@ class KVCacheManager:
         enable_prefix_caching: hash full blocks and reuse them across requests.
         extra_key: bytes folded into every block hash (model identity).
         max_pinned_blocks: most blocks idle sessions may pin together.
-        num_host_blocks: swap tier size (capped at ``num_blocks``).
+        num_host_blocks: swap tier size (capped at ``num_blocks`` without ``offload_sessions``).
+        offload_sessions: a pin that gives way moves to the host tier
+            (:mod:`streamkv.cache.host_tier`) instead of being dropped.
+        spill_to_disk: sessions evicted from a full host tier become spill
+            jobs for the disk tier instead of being dropped.
     """
 
     def __init__(
@@ -61,16 +66,25 @@ class KVCacheManager:
         extra_key: bytes = b"",
         max_pinned_blocks: int | None = None,
         num_host_blocks: int = 0,
+        offload_sessions: bool = False,
+        spill_to_disk: bool = False,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_key = extra_key
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.host = SwapSpace(min(num_host_blocks, num_blocks))
+        # preempted sequences alone never need more host blocks than the pool has;
+        # offloaded idle sessions do (the host tier is where most of them live)
+        self.host = SwapSpace(num_host_blocks if offload_sessions else min(num_host_blocks, num_blocks))
         self.seq_blocks: dict[int, list[KVBlock]] = {}
         self.swapped: dict[int, list[int]] = {}  # seq id -> host block ids
         self.sessions = SessionPins(self.pool, num_blocks if max_pinned_blocks is None else max_pinned_blocks)
         self.num_swapped_out_blocks = 0  # monotonic
+        self.offload_sessions = offload_sessions
+        self.host_sessions = HostTier(self.host, spill_to_disk)
+        # host <-> device copies of the step being scheduled, in the order they were decided
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
         self._hashes: dict[int, list[BlockHash]] = {}
         self._num_committed: dict[int, int] = {}
         self._pending_copies: list[tuple[int, int]] = []
@@ -243,7 +257,8 @@ class KVCacheManager:
             return False
         while not self.sessions.fits(len(keep)) and self.unpin_lru():
             pass
-        self.sessions.add(session_id, keep, list(seq.token_ids[: seq.num_computed_tokens]))
+        n = seq.num_computed_tokens
+        self.sessions.add(session_id, keep, list(seq.token_ids[:n]), list(seq.token_ids[n:]))
         return True
 
     def adopt_session(self, session_id: str, seq: CacheSeq) -> int:
@@ -268,17 +283,31 @@ class KVCacheManager:
         return n
 
     def release_session(self, session_id: str) -> bool:
-        """Drop a session's pin; its full blocks stay in the prefix cache."""
+        """Drop a session's pin (its full blocks stay in the prefix cache) and its host copy."""
+        dropped = self.host_sessions.drop(session_id)
         pin = self.sessions.remove(session_id)
         if pin is None:
-            return False
+            return dropped
         self._free_blocks(reversed(pin.blocks))
         return True
 
     def unpin_lru(self) -> bool:
-        """Release the least recently active session's pin; ``False`` if none."""
+        """Make the least recently active pin give way; ``False`` if there is none.
+
+        With ``offload_sessions`` its blocks are copied to the host tier
+        first (evicting least recently used host sessions to disk or
+        dropping them for room); when the host tier cannot hold it, it is
+        dropped as without offload. Either way its device references go.
+        """
         session_id = self.sessions.least_recently_active()
-        return session_id is not None and self.release_session(session_id)
+        if session_id is None:
+            return False
+        if self.offload_sessions:
+            self._offload(session_id)
+        pin = self.sessions.remove(session_id)
+        assert pin is not None
+        self._free_blocks(reversed(pin.blocks))
+        return True
 
     # ----------------------------------------------------------------- swap
 
@@ -307,6 +336,7 @@ class KVCacheManager:
         self._free_blocks(reversed(blocks))
         self._num_committed.pop(seq.seq_id, None)
         self.num_swapped_out_blocks += len(keep)
+        self._swap_out.extend(mapping)
         return mapping
 
     def swap_in(self, seq: CacheSeq) -> list[tuple[int, int]] | None:
@@ -316,9 +346,11 @@ class KVCacheManager:
             return None
         blocks = self.pool.allocate(len(host_ids))
         del self.swapped[seq.seq_id]
-        self.host.free(host_ids)
+        self._release_swap_in_source(host_ids)
         self.seq_blocks[seq.seq_id] = blocks
-        return [(h, b.block_id) for h, b in zip(host_ids, blocks, strict=True)]
+        mapping = [(h, b.block_id) for h, b in zip(host_ids, blocks, strict=True)]
+        self._swap_in.extend(mapping)
+        return mapping
 
     # ----------------------------------------------------------- accounting
 
@@ -339,7 +371,9 @@ class KVCacheManager:
         self.sessions.check_invariants()
         for pin in self.sessions.values():
             assert len(pin.blocks) == cdiv(len(pin.token_ids), self.block_size)
-        assert self.host.num_used_blocks == sum(len(h) for h in self.swapped.values())
+        self.host_sessions.check_invariants()
+        held = sum(len(h) for h in self.swapped.values()) + self.host_sessions.num_blocks
+        assert self.host.num_used_blocks == held + self.host.num_quarantined_blocks
 
     # ------------------------------------------------------------ internals
 
@@ -389,7 +423,7 @@ class KVCacheManager:
         """
         return len(self.swapped[seq_id])
 
-    def stats(self) -> KVCacheStats:
+    def stats(self, offload: OffloadStats | None = None) -> KVCacheStats:
         """A copy of the cache's state for the stats snapshot; call it on the owning thread.
 
         Costs one bytes copy of the per-block states; pins are shared, not
@@ -409,4 +443,5 @@ class KVCacheManager:
             cow_copies=pc.cow_copies,
             num_swapped_out_blocks=self.num_swapped_out_blocks,
             pins=tuple(self.sessions.values()),
+            offload=offload if offload is not None else self.offload_stats(),
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streamkv.cache.block import KVBlock
 from streamkv.cache.block_pool import BlockPool
@@ -28,6 +28,7 @@ class SessionPin:
     session_id: str
     blocks: list[KVBlock]
     token_ids: list[int]  # tokens whose KV the blocks hold, in order
+    history_tail: list[int] = field(default_factory=list)  # the turn's tokens after them (never computed)
 
     def num_reusable_tokens(self, token_ids: list[int], block_size: int) -> int:
         """Tokens of ``token_ids`` (a new prompt of this session) whose KV the pin already holds.
@@ -91,7 +92,9 @@ class SessionPins(Mapping[str, SessionPin]):
         """The session to unpin first, ``None`` if there is no pin."""
         return next(iter(self._pins), None)
 
-    def add(self, session_id: str, blocks: list[KVBlock], token_ids: list[int]) -> None:
+    def add(
+        self, session_id: str, blocks: list[KVBlock], token_ids: list[int], history_tail: list[int] | None = None
+    ) -> None:
         """Turn one existing reference of each block into the most recent session's pin.
 
         Raises:
@@ -102,7 +105,7 @@ class SessionPins(Mapping[str, SessionPin]):
             raise ValueError(f"session {session_id!r} is already pinned")
         self._pool.pin(blocks)
         self.num_pinned_blocks += len(blocks)
-        self._pins[session_id] = SessionPin(session_id, blocks, token_ids)
+        self._pins[session_id] = SessionPin(session_id, blocks, token_ids, history_tail or [])
 
     def remove(self, session_id: str) -> SessionPin | None:
         """Unmark a session's pin; the caller then owns (and frees) its references."""

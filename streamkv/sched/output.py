@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from streamkv.cache.host_tier import SpillJob
     from streamkv.sched.request import Sequence
 
 
@@ -32,15 +33,18 @@ class ScheduledSeq:
 class SchedulerOutput:
     """A step's batch plus the block copies the runner applies before the forward.
 
-    Copies are applied in this order: ``swap_out`` (device -> host, before
-    the freed device blocks are rewritten), ``swap_in`` (host -> device),
-    ``copies`` (device -> device, copy-on-write).
+    Copies are applied in this order: ``spills`` are read (host blocks of
+    sessions going to disk, whose ids this step may reuse), ``swap_out``
+    (device -> host, before the freed device blocks are rewritten; in list
+    order, a later copy into a host block wins), ``swap_in`` (host ->
+    device), ``copies`` (device -> device, copy-on-write).
     """
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    spills: list[SpillJob] = field(default_factory=list)
     num_preempted: int = 0
 
     @property
@@ -49,4 +53,4 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out and not self.swap_in
+        return not self.scheduled and not self.swap_out and not self.swap_in and not self.spills

@@ -10,12 +10,13 @@ Each step takes at most ``max_num_batched_tokens`` tokens from at most
 
 A sequence takes ``min(tokens left to compute, budget left)``. When the
 pool cannot give a running sequence its slots, idle sessions are unpinned
-first; then a running sequence is preempted (recompute: blocks freed,
-requeued at the front; swap: blocks copied to the host tier), until the
-sequence fits or is itself the victim. The victim is the newest running
-sequence that is not re-prefilling after a preemption (then the newest of
-those), never a *protected* one. Waiting sequences never preempt anybody,
-and nothing is admitted in a step that preempted.
+first (offloaded to the host tier when session offload is on); then a
+running sequence is preempted (recompute: blocks freed, requeued at the
+front; swap: blocks copied to the host tier), until the sequence fits or
+is itself the victim. The victim is the newest running sequence that is
+not re-prefilling after a preemption (then the newest of those), never a
+*protected* one. Waiting sequences never preempt anybody, and nothing is
+admitted in a step that preempted.
 
 Admission is all or nothing (vLLM v1): a waiting sequence adopts its
 session's pin or references its prefix hits only together with the blocks
@@ -252,6 +253,7 @@ class Scheduler:
                 )
             )
         out.copies = self.kv.take_copies()
+        out.swap_out, out.swap_in, out.spills = self.kv.take_transfers()
         return out
 
     def _swap_in(self, out: SchedulerOutput, chosen: dict[int, int], by_id: dict[int, Sequence], budget: int) -> int:
@@ -267,9 +269,8 @@ class Scheduler:
                 if self.kv.unpin_lru():
                     continue
                 break
-            mapping = self.kv.swap_in(seq)
+            mapping = self.kv.swap_in(seq)  # the copies go out with take_transfers()
             assert mapping is not None
-            out.swap_in.extend(mapping)
             self.swapped.pop(0)
             self.add_running(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -311,6 +312,16 @@ class Scheduler:
         if self._protected(seq) and self._max_blocks(seq) > self.kv.num_free_blocks - self._num_reserved_blocks():
             return None
         session = seq.request.session_id if seq.index == 0 else None
+        if session is not None and self.kv.is_offloaded(session):
+            # its KV is in the host tier: restore it with this step's blocks, all or nothing
+            restored = self.kv.restore_session(session, seq, budget, self._num_reserved_blocks(exclude=seq))
+            if restored is None:
+                return None
+            seq.num_computed_tokens = restored
+            n = min(seq.num_tokens - restored, budget)
+            ok = self._allocate(seq, n)
+            assert ok, "restore_session allocated this step's blocks"
+            return restored, 0, n
         num_pinned = self.kv.adopt_session(session, seq) if session is not None else 0
         seq.num_computed_tokens = num_pinned
         hits = [] if num_pinned else self.kv.get_computed_blocks(seq)
@@ -370,7 +381,7 @@ class Scheduler:
         out.num_preempted += 1
         swap = self.config.preemption_mode is PreemptionMode.SWAP
         if swap and seq.num_computed_tokens and self.kv.can_swap_out(seq.seq_id):
-            out.swap_out.extend(self.kv.swap_out(seq))
+            self.kv.swap_out(seq)  # the copies go out with take_transfers()
             seq.set_status(SeqStatus.SWAPPED)
             bisect.insort(self.swapped, seq, key=lambda s: s.arrival)
             self.counters.preemptions_swap += 1

@@ -83,6 +83,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
+        for session_id, history in engine.saved_sessions():  # --kv-offload-dir: before a restart
+            sessions.restore(session_id, history)
         tasks = [
             asyncio.create_task(_probe_loop_lag(metrics, LOOP_LAG_INTERVAL_S), name="loop-lag-probe"),
             asyncio.create_task(sessions.run_sweeper(), name="session-sweeper"),
@@ -96,7 +98,7 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            sessions.close_all()
+            sessions.close_all(release=not engine.keeps_sessions)
             await engine.shutdown()
 
     async def index(request: Request) -> Response:

@@ -15,6 +15,7 @@ import re
 import sys
 from collections.abc import Sequence
 
+from streamkv.cache.offload_cli import add_offload_args, offload_cache_options
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, PreemptionMode, SchedulerConfig, ServerConfig
 
 logger = logging.getLogger("streamkv")
@@ -247,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch CPU threads for the engine; fewer than the cores leaves room for other processes "
         "(default: torch's, one per core)",
     )
+    add_offload_args(serve, parse_bytes)
     serve.set_defaults(subparser=serve)
 
     chat = sub.add_parser(
@@ -308,6 +310,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
             enable_prefix_caching=not args.no_prefix_caching,
             max_pinned_fraction=args.max_pinned_fraction,
             swap_space=args.swap_space,
+            **offload_cache_options(args),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -248,10 +248,33 @@ class SessionRegistry:
             released += 1
         return released
 
-    def close_all(self) -> None:
-        """Shutdown: release every session that no socket holds (attached ones close with their socket)."""
+    def close_all(self, release: bool = True) -> None:
+        """Shutdown: release every session that no socket holds (attached ones close with their socket).
+
+        ``release=False`` forgets them without dropping the engine's state
+        (``--kv-offload-dir``: the engine saves them for a restart).
+        """
         for session in list(self._detached.values()):
-            self.release(session)
+            if release:
+                self.release(session)
+            else:
+                session.transition(SessionState.CLOSED, self._clock())
+                self._sessions.pop(session.session_id, None)
+                self._detached.pop(session.session_id, None)
+
+    def restore(self, session_id: str, history: list[int]) -> Session:
+        """Register a session saved before a restart as DETACHED (resumable, TTL from now).
+
+        Raises:
+            ValueError: the id is already live.
+        """
+        if session_id in self._sessions:
+            raise ValueError(f"session {session_id!r} is already live")
+        now = self._clock()
+        session = Session(session_id, list(history), resumable=True, state=SessionState.DETACHED, last_active=now)
+        self._sessions[session_id] = session
+        self._detached[session_id] = session
+        return session
 
     async def run_sweeper(self) -> None:
         """Sweep forever at a quarter of the TTL (between 10 ms and 30 s); cancel to stop."""

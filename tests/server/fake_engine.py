@@ -191,6 +191,11 @@ class FakeEngine:
             if req.status == "running":  # aclose() or the consumer was cancelled
                 self._end(req, "aborted", "cancelled")
 
+    keeps_sessions = False
+
+    def saved_sessions(self) -> list[tuple[str, list[int]]]:
+        return []
+
     def release_session(self, session_id: str) -> None:
         with self._lock:
             self.pins.pop(session_id, None)
