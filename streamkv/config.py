@@ -9,6 +9,8 @@ import enum
 from dataclasses import dataclass, field
 
 MiB = 1 << 20
+# --kv-cache-dtype values (vLLM's names, plus float32 for tests and figures); resolved in attention/kv_layout.py
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
 
 
 class PreemptionMode(enum.StrEnum):
@@ -65,6 +67,11 @@ class CacheConfig:
         enable_prefix_caching: reuse full blocks across requests by hash chain.
         max_pinned_fraction: most of the pool that idle sessions may pin.
         swap_space: bytes of host memory for swapped-out blocks.
+        kv_cache_dtype: how KV is stored (vLLM's ``--kv-cache-dtype``):
+            ``auto`` (the model's ``dtype``), ``float32``, ``bfloat16``,
+            ``float16``, ``int8`` or ``fp8_e4m3`` (one float32 scale per token
+            and KV head; see :mod:`streamkv.attention.kv_layout`). The pool is
+            sized in bytes, so narrower KV means more blocks.
     """
 
     block_size: int = 16
@@ -74,6 +81,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5
     swap_space: int = 256 * MiB
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -88,6 +96,8 @@ class CacheConfig:
             raise ValueError("max_pinned_fraction must be in [0, 1]")
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)
