@@ -24,6 +24,7 @@ import random
 import pytest
 import torch
 
+from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.kv_layout import (
     allocate_kv_cache,
     copy_blocks,
@@ -47,9 +48,11 @@ QUANTIZED = ("int8", "fp8_e4m3")
 ATTN_ERROR_BOUND = {"float16": 3e-3, "bfloat16": 2e-2, "int8": 4e-2, "fp8_e4m3": 2.5e-1}
 
 
-def poisoned_cache(name: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+def poisoned_cache(
+    name: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device: str = "cpu"
+) -> torch.Tensor:
     fmt = resolve_kv_format(name, torch.float32)
-    cache = allocate_kv_cache(fmt, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = allocate_kv_cache(fmt, num_blocks, block_size, num_kv_heads, head_dim, device)
     if fmt.quantized:
         cache.view(torch.uint8).fill_(0xFF)
     else:
@@ -59,7 +62,7 @@ def poisoned_cache(name: str, num_blocks: int, block_size: int, num_kv_heads: in
 
 def run_step(
     name: str,
-    backend: TorchPagedAttention,
+    backend: AttentionBackend,
     query_lens: list[int],
     seq_lens: list[int],
     num_heads: int = 9,
@@ -67,10 +70,15 @@ def run_step(
     head_dim: int = 64,
     block_size: int = 16,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention step over shuffled blocks of a poisoned pool; the earlier context written by ``write_kv``.
 
-    Returns (output ``[T, Hq, D]`` fp32, the cache after the step).
+    Q/K/V are drawn in fp32 on the CPU (the same values for every backend and
+    device), then cast to ``dtype`` on ``device``.
+
+    Returns (output ``[T, Hq, D]`` in ``dtype``, the cache after the step).
     """
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -82,19 +90,20 @@ def run_step(
     for n in need:
         tables.append(blocks[:n])
         blocks = blocks[n:]
-    cache = poisoned_cache(name, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = poisoned_cache(name, num_blocks, block_size, num_kv_heads, head_dim, device)
     qs, ks, vs = [], [], []
     for q_len, seq_len, table in zip(query_lens, seq_lens, tables, strict=True):
-        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
-        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
         ctx = seq_len - q_len
         if ctx:
-            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
+            pos = range(ctx)
+            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in pos], device=device)
             write_kv(cache, slots, k[:ctx], v[:ctx])
-        qs.append(torch.randn(q_len, num_heads, head_dim, generator=gen))
+        qs.append(torch.randn(q_len, num_heads, head_dim, generator=gen).to(dtype).to(device))
         ks.append(k[ctx:])
         vs.append(v[ctx:])
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, torch.device(device))
     out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, head_dim**-0.5)
     return out, cache
 
