@@ -93,7 +93,8 @@ class EngineCore:
             "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %d B/token), host swap %d blocks; "
             "max_model_len %d; attention backend %s on %s",
             self.num_blocks, cc.block_size, pool_tokens, self.num_blocks * block_bytes / 2**20,
-            self.runner.kv_format.name, block_bytes // cc.block_size, num_host_blocks, self.max_model_len, self.backend.name, self.device,
+            self.runner.kv_format.name, block_bytes // cc.block_size, num_host_blocks, self.max_model_len,
+            self.backend.name, self.device,
         )  # fmt: skip
 
     def _blocks_for_budget(self, block_bytes: int) -> int:

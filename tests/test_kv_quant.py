@@ -234,7 +234,8 @@ def test_stats_and_metrics_name_the_kv_dtype(tiny: LoadedModel) -> None:
     llm = LLM(loaded=tiny, device="cpu", num_blocks=32, kv_cache_dtype="int8")
     snap = llm.core.snapshot()
     m = tiny.model
-    assert snap["kv_cache"] == {"dtype": "int8", "bytes_per_token": 2 * m.num_layers * m.num_kv_heads * (m.head_dim + 4)}
+    per_token = 2 * m.num_layers * m.num_kv_heads * (m.head_dim + 4)
+    assert snap["kv_cache"] == {"dtype": "int8", "bytes_per_token": per_token}
     metrics = EngineMetrics()
     metrics.attach(lambda: snap)
     body = metrics.render()[0].decode()

@@ -1,6 +1,9 @@
 """Greedy agreement of each KV cache dtype with fp32 KV on the real SmolLM2 (fp32 weights), 20 chat prompts x 64 tokens.
 
-Reported for every dtype (run with ``-s`` to see it): prompts whose 64
+float16 is left out here (the C++ decode op has no fp32-query / fp16-KV
+instance, so it would run the slow torch decode; tests/test_kv_quant.py
+covers it per layer and through the tiny engine). Reported for bfloat16,
+int8 and fp8_e4m3 (run with ``-s`` to see it): prompts whose 64
 tokens are identical to the fp32-KV run, and for the others the position of
 the first differing token. Asserted for bfloat16: at least
 ``MIN_IDENTICAL_BF16`` of 20 prompts identical, and no divergence before
@@ -39,13 +42,13 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
-@pytest.mark.timeout(900)  # five engines x 20 x 64 tokens: ~1 min on a quiet 2-core machine, minutes when loaded
+@pytest.mark.timeout(1800)  # four engines x 20 x 64 tokens: minutes, many more on a loaded machine
 def test_greedy_agreement_with_fp32_kv(smollm2: LoadedModel, capsys: pytest.CaptureFixture[str]) -> None:
     chat = ChatFormatter(smollm2.tokenizer)
     prompts = [chat.first_turn(q) for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     runs: dict[str, list[list[int]]] = {}
-    for name in ("float32", "bfloat16", "float16", "int8", "fp8_e4m3"):
+    for name in ("float32", "bfloat16", "int8", "fp8_e4m3"):
         llm = LLM(loaded=smollm2, device="cpu", kv_cache_dtype=name, max_num_seqs=len(prompts))
         runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     ref = runs.pop("float32")

@@ -8,8 +8,8 @@ in ``baddbmm`` / ``bmm``. That gather was 34% of a batch-32 decode step on the
 sequence's block table and reads each K and V row once, straight from the
 pool, for all ``G`` query heads of its KV head, accumulating in fp32 (fp32,
 bf16, or int8 / fp8 rows whose per-row scale is applied to the dot product
-and to the softmax weight, so nothing is dequantized into memory). Measured against the torch path in docs/benchmarks.md ("Speed
-levers").
+and to the softmax weight, so nothing is dequantized into memory). Measured
+against the torch path in docs/benchmarks.md ("Speed levers").
 
 Prefill and chunk rows keep the torch path (SDPA per sequence, already at
 GEMM-like speed); so does the KV write. When the op cannot be built, the
