@@ -119,11 +119,13 @@ def main() -> int:
     if not a.no_perplexity:
         ids = loaded.tokenizer.encode(fixed_text())[: a.num_tokens]
         print(f"text: pydoc_data.topics of Python {platform.python_version()}, first {len(ids)} tokens, "
-              f"windows of {a.context}")  # fmt: skip
+              f"windows of {a.context}", flush=True)  # fmt: skip
         for name in KV_DTYPES:
             t0 = time.perf_counter()
             results[name]["perplexity"] = perplexity(loaded, ids, name, a.context, a.block_size)
             results[name]["ppl_seconds"] = time.perf_counter() - t0
+            print(f"  {name}: perplexity {results[name]['perplexity']:.4f} "
+                  f"({results[name]['ppl_seconds']:.0f} s)", flush=True)  # fmt: skip
     ref = results["float32"].get("perplexity")
     for name in KV_DTYPES:
         r = results[name]
