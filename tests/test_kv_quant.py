@@ -241,3 +241,14 @@ def test_stats_and_metrics_name_the_kv_dtype(tiny: LoadedModel) -> None:
     body = metrics.render()[0].decode()
     assert 'streamkv_kv_cache_info{dtype="int8"} 1.0' in body
     assert f"streamkv_kv_cache_bytes_per_token {float(snap['kv_cache']['bytes_per_token'])}" in body
+
+
+def test_cli_flag_reaches_the_cache_config() -> None:
+    from streamkv.server.cli import build_configs, build_parser
+
+    engine, _ = build_configs(build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3"]))
+    assert engine.cache.kv_cache_dtype == "fp8_e4m3"
+    engine, _ = build_configs(build_parser().parse_args(["serve"]))
+    assert engine.cache.kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
