@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .dot import dot_flags, tile_dot
+from .kv_quant import kernel_view, load_rows, quant_mode
 
 # Split heuristic: aim for enough programs to fill an H100/H200-class GPU
 # (~132 SMs, several programs each) without splits shorter than a few tiles.
@@ -71,6 +72,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,10 +108,8 @@ def _decode_split_kernel(
         mask_n = pos < end
         block_ids = tl.load(table + (pos // BLOCK_SIZE) * stride_bt_idx, mask=mask_n, other=0)
         tok_off = block_ids.to(tl.int64) * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off
-        kv_off = tok_off[:, None] + dims[None, :] * stride_c_dim
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+        k = load_rows(k_base, tok_off, dims, mask_n, mask_d, stride_c_dim, HEAD_DIM, QUANT, q.dtype)
+        v = load_rows(v_base, tok_off, dims, mask_n, mask_d, stride_c_dim, HEAD_DIM, QUANT, q.dtype)
 
         qk = tile_dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -205,7 +205,9 @@ def paged_decode(
     Args:
         query: ``[B, num_heads, head_dim]`` fp16/bf16/fp32, any strides.
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``,
-            same dtype as ``query``.
+            same dtype as ``query``; or int8 / fp8 ``[..., head_dim + 4]`` rows
+            (codes, then a float32 scale; :mod:`streamkv.attention.kv_layout`),
+            dequantized to ``query``'s dtype as each tile is loaded.
         block_tables: int32 ``[B, max_blocks_per_seq]`` physical block ids.
         seq_lens: int32 ``[B]`` context length per sequence (>= 1), including
             the query token.
@@ -223,10 +225,12 @@ def paged_decode(
         ValueError: on shape or dtype mismatches.
     """
     num_seqs, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    _, _, block_size, num_kv_heads, cache_row = kv_cache.shape
+    mode = quant_mode(kv_cache)
+    cache_head_dim = cache_row - 4 if mode else cache_row
     if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(f"query {tuple(query.shape)} does not fit kv_cache {tuple(kv_cache.shape)}")
-    if kv_cache.dtype != query.dtype:
+    if not mode and kv_cache.dtype != query.dtype:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}")
     if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError("block_tables / seq_lens do not have one row per query")
@@ -244,7 +248,7 @@ def paged_decode(
 
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
-        kv_cache,
+        kernel_view(kv_cache),
         block_tables,
         seq_lens,
         mid_o,
@@ -263,6 +267,7 @@ def paged_decode(
         BLOCK_D=block_d,
         BLOCK_N=_BLOCK_N,
         **dot_flags(query.dtype),
+        QUANT=mode,
         num_warps=4,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](

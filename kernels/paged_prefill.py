@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .dot import dot_flags, tile_dot
+from .kv_quant import kernel_view, load_rows, quant_mode
 
 
 @triton.jit
@@ -55,6 +56,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -93,10 +95,8 @@ def _prefill_kernel(
         mask_n = pos < kv_end
         block_ids = tl.load(table + (pos // BLOCK_SIZE) * stride_bt_idx, mask=mask_n, other=0)
         tok_off = block_ids.to(tl.int64) * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off
-        kv_off = tok_off[:, None] + dims[None, :] * stride_c_dim
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+        k = load_rows(k_base, tok_off, dims, mask_n, mask_d, stride_c_dim, HEAD_DIM, QUANT, q.dtype)
+        v = load_rows(v_base, tok_off, dims, mask_n, mask_d, stride_c_dim, HEAD_DIM, QUANT, q.dtype)
 
         qk = tile_dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -142,7 +142,9 @@ def paged_prefill(
         query: ``[T, num_heads, head_dim]`` fp16/bf16/fp32, flat over the
             batch, any strides.
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``,
-            same dtype as ``query``.
+            same dtype as ``query``; or int8 / fp8 ``[..., head_dim + 4]`` rows
+            (codes, then a float32 scale; :mod:`streamkv.attention.kv_layout`),
+            dequantized to ``query``'s dtype as each tile is loaded.
         block_tables: int32 ``[B, max_blocks_per_seq]`` physical block ids.
         query_start_loc: int32 ``[B+1]`` cumulative query lengths from 0.
         seq_lens: int32 ``[B]`` context length per sequence after this step.
@@ -157,11 +159,13 @@ def paged_prefill(
         ValueError: on shape or dtype mismatches.
     """
     num_tokens, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    _, _, block_size, num_kv_heads, cache_row = kv_cache.shape
+    mode = quant_mode(kv_cache)
+    cache_head_dim = cache_row - 4 if mode else cache_row
     num_seqs = seq_lens.shape[0]
     if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(f"query {tuple(query.shape)} does not fit kv_cache {tuple(kv_cache.shape)}")
-    if kv_cache.dtype != query.dtype:
+    if not mode and kv_cache.dtype != query.dtype:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}")
     if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError("query_start_loc / block_tables do not match seq_lens")
@@ -174,7 +178,7 @@ def paged_prefill(
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
         query,
-        kv_cache,
+        kernel_view(kv_cache),
         block_tables,
         query_start_loc,
         seq_lens,
@@ -191,6 +195,7 @@ def paged_prefill(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         **dot_flags(query.dtype),
+        QUANT=mode,
         num_warps=4,
     )
     return out

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_quant import kernel_view, qmax, quant_mode, store_rows
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -29,6 +31,8 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     # One program per token: copies its [num_kv_heads, head_dim] key and value.
     tok = tl.program_id(0).to(tl.int64)
@@ -55,8 +59,11 @@ def _store_kv_kernel(
         + heads[:, None] * stride_c_head
         + dims[None, :] * stride_c_dim
     )
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    # A quantized row's scale sits right after its HEAD_DIM codes (stride_c_dim is 1 there).
+    scale_ptr = cache_ptr + block_id * stride_c_block + offset * stride_c_off + heads * stride_c_head + HEAD_DIM
+    mask_h = heads < NUM_KV_HEADS
+    store_rows(dst, k.to(tl.float32), mask, scale_ptr, mask_h, QUANT, QMAX)
+    store_rows(dst + stride_c_kv, v.to(tl.float32), mask, scale_ptr + stride_c_kv, mask_h, QUANT, QMAX)
 
 
 def store_kv(
@@ -70,8 +77,10 @@ def store_kv(
     Args:
         key, value: ``[T, num_kv_heads, head_dim]``, any strides; cast to the
             cache dtype on store.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-            (0 keys, 1 values), any strides.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, row]``
+            (0 keys, 1 values), any strides; ``row`` is ``head_dim``, or for
+            int8 / fp8 caches ``head_dim + 4`` (codes, then the float32 scale
+            of the row, :mod:`streamkv.attention.kv_layout`), unit last stride.
         slot_mapping: int64 ``[T]``, ``slot = block_id * block_size + offset``;
             every entry must be a valid slot (no padding sentinel).
 
@@ -81,7 +90,9 @@ def store_kv(
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != key.shape[1:]:
+    mode = quant_mode(kv_cache)
+    row = head_dim + (4 if mode else 0)
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (num_kv_heads, row):
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not fit key {tuple(key.shape)}")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)")
@@ -90,7 +101,7 @@ def store_kv(
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
-        kv_cache,
+        kernel_view(kv_cache),
         slot_mapping,
         *key.stride(),
         *value.stride(),
@@ -100,4 +111,6 @@ def store_kv(
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANT=mode,
+        QMAX=qmax(mode),
     )

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU acceptance for the Triton kernels, sized for ~5 minutes on one H200:
-#   1. the compiled kernel tests (pytest -m gpu tests/kernels, TRITON_INTERPRET=0);
+#   1. the compiled kernel tests (pytest -m gpu tests/kernels, TRITON_INTERPRET=0), including
+#      tests/kernels/test_kv_quant_triton.py: store_kv / decode / prefill on int8 and fp8_e4m3 KV
+#      caches against the torch path (byte-identical stored rows, outputs within rounding); until
+#      this script has run on a GPU, the compiled quantized path is untested;
 #   2. load_tests/gpu_check.py microbenchmarks (bf16 Triton kernels against SDPA) and
 #      --e2e: the server default (--dtype auto = bf16 on the GPU, Triton attention)
 #      end to end, with its greedy output compared to the torch backend's;
@@ -19,6 +22,8 @@ fi
 
 "$PY" -m pytest -m gpu tests/kernels -q -p no:cacheprovider
 tests_rc=$?
+# The quantized KV kernels again, named, so their result shows on its own line in the log.
+"$PY" -m pytest -m gpu tests/kernels/test_kv_quant_triton.py -q -p no:cacheprovider -rA | tail -n 15
 "$PY" load_tests/gpu_check.py --e2e "$@"
 bench_rc=$?
 if [ "$tests_rc" -ne 0 ]; then

@@ -9,6 +9,8 @@ import enum
 from dataclasses import dataclass, field
 
 MiB = 1 << 20
+# --kv-cache-dtype values (vLLM's names, plus float32 for tests and figures); resolved in attention/kv_layout.py
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
 
 
 class PreemptionMode(enum.StrEnum):
@@ -73,6 +75,11 @@ class CacheConfig:
             evicts, and at shutdown every pinned or host session, are saved
             there and survive a restart; ``None``: no disk tier.
         kv_offload_disk_space: most bytes of session files in ``kv_offload_dir``.
+        kv_cache_dtype: how KV is stored (vLLM's ``--kv-cache-dtype``):
+            ``auto`` (the model's ``dtype``), ``float32``, ``bfloat16``,
+            ``float16``, ``int8`` or ``fp8_e4m3`` (one float32 scale per token
+            and KV head; see :mod:`streamkv.attention.kv_layout`). The pool is
+            sized in bytes, so narrower KV means more blocks.
     """
 
     block_size: int = 16
@@ -85,6 +92,7 @@ class CacheConfig:
     session_offload: bool = True
     kv_offload_dir: str | None = None
     kv_offload_disk_space: int = 4096 * MiB
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -103,6 +111,8 @@ class CacheConfig:
             raise ValueError("kv_offload_disk_space must be >= 0")
         if self.kv_offload_dir is not None and not self.kv_offload_dir.strip():
             raise ValueError("kv_offload_dir must not be empty (omit it for no disk tier)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         cc, sc = config.cache, config.scheduler
         self.block_size = cc.block_size
-        block_bytes = kv_bytes_per_block(self.loaded, cc.block_size)
+        block_bytes = kv_bytes_per_block(self.loaded, cc.block_size, cc.kv_cache_dtype)
         self.num_blocks = cc.num_blocks or self._blocks_for_budget(block_bytes)
         num_host_blocks = cc.swap_space // block_bytes
         if not cc.session_offload:  # preempted sequences alone never need more than the pool
@@ -86,7 +86,7 @@ class EngineCore:
         self.scheduler = Scheduler(sc, self.kv)
         self.backend = make_backend(config.model.attention_backend, self.device)
         self.runner = ModelRunner(
-            self.loaded, self.backend, self.num_blocks, cc.block_size, num_host_blocks, self.device
+            self.loaded, self.backend, self.num_blocks, cc.block_size, num_host_blocks, self.device, cc.kv_cache_dtype
         )
         self.offload = SessionOffload(self.kv, self.runner, self._disk_tier(), block_bytes)
         self.outputs = OutputProcessor(
@@ -98,10 +98,11 @@ class EngineCore:
         self._order = itertools.count()
         self.stats = self._build_stats()
         logger.info(
-            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d B/token), host swap %d blocks; "
+            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %d B/token), host swap %d blocks; "
             "max_model_len %d; attention backend %s on %s",
             self.num_blocks, cc.block_size, pool_tokens, self.num_blocks * block_bytes / 2**20,
-            block_bytes // cc.block_size, num_host_blocks, self.max_model_len, self.backend.name, self.device,
+            self.runner.kv_format.name, block_bytes // cc.block_size, num_host_blocks, self.max_model_len,
+            self.backend.name, self.device,
         )  # fmt: skip
 
     def _disk_tier(self) -> DiskTier | None:
@@ -120,7 +121,7 @@ class EngineCore:
         if self.device.type == "cuda" and cc.gpu_memory_utilization is not None:
             budget = profile_kv_budget(
                 self.loaded, self.device, cc.gpu_memory_utilization,
-                sc.max_num_batched_tokens, sc.max_num_seqs, cc.block_size,
+                sc.max_num_batched_tokens, sc.max_num_seqs, cc.block_size, cc.kv_cache_dtype,
             )  # fmt: skip
         num = budget // block_bytes
         if num < 1:
@@ -298,5 +299,7 @@ class EngineCore:
             req = state.request
             if req.session_id is not None and req.seqs and req.seqs[0].status is SeqStatus.RUNNING:
                 turns[req.session_id] = tuple(self.kv.block_table(req.seqs[0].seq_id))
-        kv = self.kv.stats(self.offload.stats())
-        return EngineStats(self.scheduler.stats(), kv, self.outputs.stats(), turns)
+        return EngineStats(
+            self.scheduler.stats(), self.kv.stats(self.offload.stats()), self.outputs.stats(), turns,
+            self.runner.kv_format.name, self.runner.kv_bytes_per_token,
+        )  # fmt: skip

@@ -300,6 +300,16 @@ def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
     for state in BLOCK_STATES:
         blocks.add_metric([state], _num(counts, state))
     yield blocks
+    kv_cache = snap.get("kv_cache")
+    if kv_cache:
+        info = GaugeMetricFamily("streamkv_kv_cache_info", "KV cache storage dtype (value 1).", labels=["dtype"])
+        info.add_metric([str(kv_cache.get("dtype"))], 1.0)
+        yield info
+        yield _gauge(
+            "streamkv_kv_cache_bytes_per_token",
+            "KV bytes per token across all layers, scales included.",
+            _num(kv_cache, "bytes_per_token"),
+        )
     yield _gauge("streamkv_active_sessions", "Chat sessions the engine knows.", _num(sessions, "active"))
     yield _gauge("streamkv_pinned_blocks", "KV blocks pinned by idle sessions.", _num(sessions, "pinned_blocks"))
     yield _gauge("streamkv_generation_tokens_per_second", "Recent generation throughput.", _num(snap, "tokens_per_s"))

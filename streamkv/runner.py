@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from streamkv.attention.backend import AttentionBackend
+from streamkv.attention.kv_layout import allocate_kv_cache, resolve_kv_format
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.cache.block_copy import LayerKV, copy_blocks, gather_blocks, scatter_blocks
 from streamkv.model.loader import LoadedModel
@@ -24,11 +25,15 @@ from streamkv.sched.output import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
-    """Bytes of one block across all layers: 2 (K and V) x layers x block x kv heads x head dim x dtype size."""
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block across all layers, quantization scales included.
+
+    ``block_size x`` :meth:`KVCacheFormat.bytes_per_token` (2 x layers x Hkv x
+    row bytes); ``kv_cache_dtype`` as ``--kv-cache-dtype`` (``auto``: the model dtype).
+    """
     m = loaded.model
-    elem = torch.tensor([], dtype=loaded.dtype).element_size()
-    return 2 * m.num_layers * block_size * m.num_kv_heads * m.head_dim * elem
+    fmt = resolve_kv_format(kv_cache_dtype, loaded.dtype)
+    return block_size * fmt.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim)
 
 
 class ModelRunner:
@@ -41,6 +46,8 @@ class ModelRunner:
         block_size: tokens per block.
         num_host_blocks: host blocks for swapped-out KV.
         device: where the model and the KV pool live.
+        kv_cache_dtype: ``--kv-cache-dtype`` (``auto``: the model dtype); the
+            layout is :mod:`streamkv.attention.kv_layout`'s.
     """
 
     def __init__(
@@ -51,20 +58,26 @@ class ModelRunner:
         block_size: int,
         num_host_blocks: int,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = loaded.model
         self.backend = backend
         self.block_size = block_size
         self.device = device
         m = self.model
-        shape = (2, num_blocks, block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=loaded.dtype, device=device) for _ in range(m.num_layers)]
-        host_shape = (2, num_host_blocks, block_size, m.num_kv_heads, m.head_dim)
+        self.kv_format = resolve_kv_format(kv_cache_dtype, loaded.dtype)
+        self.kv_bytes_per_token = self.kv_format.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim)
+        self.kv_caches = [
+            allocate_kv_cache(self.kv_format, num_blocks, block_size, m.num_kv_heads, m.head_dim, device)
+            for _ in range(m.num_layers)
+        ]
         pin = device.type == "cuda"
         # empty, not zeros: a host block is read only after a copy filled it, and untouched
         # pages of a large swap space cost no memory until used
         self.host_caches = [
-            torch.empty(host_shape, dtype=loaded.dtype, pin_memory=pin)
+            allocate_kv_cache(
+                self.kv_format, num_host_blocks, block_size, m.num_kv_heads, m.head_dim, "cpu", pin, zeroed=False
+            )
             for _ in range(m.num_layers if num_host_blocks else 0)
         ]
         # swaps run on their own CUDA stream; compute waits for them before the forward
@@ -153,10 +166,7 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         self.copy_seconds += time.perf_counter() - t0
         if out.copies:
-            src = torch.tensor([s for s, _ in out.copies], device=self.device)
-            dst = torch.tensor([d for _, d in out.copies], device=self.device)
-            for dev in self.kv_caches:
-                dev[:, dst] = dev[:, src]
+            copy_blocks(self.device_tier, self.device_tier, [s for s, _ in out.copies], [d for _, d in out.copies])
 
 
 @contextlib.contextmanager
@@ -206,11 +216,13 @@ def profile_kv_budget(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     block_size: int,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Device bytes left for KV after a forward at the full token budget (vLLM's profile run).
 
     Runs the model once over ``max_num_batched_tokens`` dummy tokens with the
-    torch backend and logits for ``max_num_seqs`` rows, then returns
+    torch backend (KV in ``kv_cache_dtype``, so a quantized pool's dequantize
+    scratch counts) and logits for ``max_num_seqs`` rows, then returns
     ``total * utilization - peak - memory used by other processes`` (>= 0).
     CUDA only.
     """
@@ -219,8 +231,8 @@ def profile_kv_budget(
     n = max_num_batched_tokens
     m = loaded.model
     nb = -(-n // block_size)
-    caches = [torch.zeros(2, nb, block_size, m.num_kv_heads, m.head_dim, dtype=loaded.dtype, device=device)
-              for _ in range(m.num_layers)]  # fmt: skip
+    fmt = resolve_kv_format(kv_cache_dtype, loaded.dtype)
+    caches = [allocate_kv_cache(fmt, nb, block_size, m.num_kv_heads, m.head_dim, device) for _ in range(m.num_layers)]
     meta = AttentionMetadata.build([n], [n], [list(range(nb))], block_size, device)
     with torch.inference_mode():
         hidden = m(torch.zeros(n, dtype=torch.long, device=device),

@@ -31,12 +31,16 @@ class EngineStats:
         outputs: token counters, finished samples, recent throughput points.
         turn_blocks: session id -> block table of the session's turn in flight
             (sample 0 while it is running).
+        kv_cache_dtype: the resolved KV storage (``float32`` ... ``int8``).
+        kv_bytes_per_token: KV bytes one token costs across all layers, scales included.
     """
 
     scheduler: SchedulerStats
     kv: KVCacheStats
     outputs: OutputStats
     turn_blocks: dict[str, tuple[int, ...]]
+    kv_cache_dtype: str | None = None
+    kv_bytes_per_token: int | None = None
 
 
 def snapshot_json(stats: EngineStats, session_id: str | None = None, include_blocks: bool = True) -> dict[str, Any]:
@@ -46,7 +50,8 @@ def snapshot_json(stats: EngineStats, session_id: str | None = None, include_blo
     ``block_size``, ``state_names``, ``counts``, ``kv_usage`` (0..1),
     ``requests``, ``sessions``, ``counters``, ``offload`` (the fields of
     :class:`~streamkv.cache.cache_stats.OffloadStats`), ``finished``, ``tokens_per_s``
-    (over the last 5 s, as of now); with ``include_blocks`` also ``states``
+    (over the last 5 s, as of now), ``kv_cache`` (``dtype``,
+    ``bytes_per_token``) when the engine set them; with ``include_blocks`` also ``states``
     (base64, one byte per block, see ``state_names``) and ``session_blocks``
     (``{session_id: block ids}``, its pin or its turn in flight; empty
     without a ``session_id``). Session ids are capabilities (holding one is
@@ -82,6 +87,8 @@ def snapshot_json(stats: EngineStats, session_id: str | None = None, include_blo
         "finished": {str(reason): n for reason, n in out.finished.items()},
         "tokens_per_s": out.tokens_per_s(),
     }
+    if stats.kv_cache_dtype is not None:
+        snap["kv_cache"] = {"dtype": stats.kv_cache_dtype, "bytes_per_token": stats.kv_bytes_per_token}
     if include_blocks:
         snap["states"] = base64.b64encode(kv.states).decode("ascii")
         sessions: dict[str, list[int]] = {}

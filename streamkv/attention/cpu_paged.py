@@ -6,9 +6,10 @@ layer (one ``index_select`` of 256-byte rows) and then reads that copy again
 in ``baddbmm`` / ``bmm``. That gather was 34% of a batch-32 decode step on the
 2-core EPYC (docs/benchmarks.md). The op in ``streamkv/ops/csrc`` walks each
 sequence's block table and reads each K and V row once, straight from the
-pool, for all ``G`` query heads of its KV head, accumulating in fp32 (fp32 or
-bf16 KV). Measured against the torch path in docs/benchmarks.md ("Speed
-levers").
+pool, for all ``G`` query heads of its KV head, accumulating in fp32 (fp32,
+bf16, or int8 / fp8 rows whose per-row scale is applied to the dot product
+and to the softmax weight, so nothing is dequantized into memory). Measured
+against the torch path in docs/benchmarks.md ("Speed levers").
 
 Prefill and chunk rows keep the torch path (SDPA per sequence, already at
 GEMM-like speed); so does the KV write. When the op cannot be built, the
@@ -26,6 +27,7 @@ from streamkv.ops.cpu_ops import load_cpu_ops
 # (query, KV cache) dtype pairs with a kernel instance in csrc/paged_attention.cpp.
 _KERNEL_DTYPES = frozenset(
     {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)}
+    | {(q, kv) for q in (torch.float32, torch.bfloat16) for kv in (torch.int8, torch.float8_e4m3fn)}
 )
 
 

@@ -15,6 +15,11 @@ Two paths share one write::
         K, V  = the sequence's context gathered from its block table  [L, Hkv, D]
         out   = SDPA(q, K, V, causal with offset L - query_len)
 
+A quantized cache (int8 / fp8 rows with a per-row scale, see
+:mod:`streamkv.attention.kv_layout`) is dequantized to the query dtype as it
+is gathered; a prefill with no cached context attends to its own K/V rounded
+as the cache stores it, so every path sees the same values.
+
 A mixed batch (decodes plus chunks, what chunked prefill schedules every
 step) takes the batched path for its decode rows and loops only over the
 chunks, so the Python loop never grows with the number of decodes.
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from streamkv.attention.backend import AttentionBackend
+from streamkv.attention.kv_layout import as_stored, gather_rows, gather_slots, write_kv
 from streamkv.attention.metadata import AttentionMetadata
 
 
@@ -48,7 +54,9 @@ class TorchPagedAttention(AttentionBackend):
         Args:
             query: ``[T, Hq, D]``; any strides.
             key, value: ``[T, Hkv, D]``; any strides.
-            kv_cache: contiguous ``[2, num_blocks, block_size, Hkv, D]``, written in place.
+            kv_cache: contiguous ``[2, num_blocks, block_size, Hkv, row]``, written in place;
+                ``row`` is ``D``, or ``D + 4`` for int8 / fp8 rows with their scale
+                (:mod:`streamkv.attention.kv_layout`).
             meta: the step's metadata; ``slot_mapping`` has ``T`` entries.
             scale: softmax scale.
 
@@ -59,9 +67,7 @@ class TorchPagedAttention(AttentionBackend):
         num_kv_heads = key.shape[1]
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-        flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
-        flat_cache[0].index_copy_(0, meta.slot_mapping, key.to(kv_cache.dtype))
-        flat_cache[1].index_copy_(0, meta.slot_mapping, value.to(kv_cache.dtype))
+        write_kv(kv_cache, meta.slot_mapping, key, value)
 
         if meta.is_pure_decode:
             return self.decode(
@@ -79,11 +85,12 @@ class TorchPagedAttention(AttentionBackend):
                 continue
             seq_len = meta.seq_lens_cpu[i]
             if seq_len == end - start:
-                # Nothing cached before this chunk: its own K/V is the whole context.
-                k, v = key[start:end], value[start:end]
+                # Nothing cached before this chunk: its own K/V is the whole context, as the
+                # cache would return it (so a prefix hit or a chunk boundary changes nothing).
+                k, v = as_stored(kv_cache, key[start:end]), as_stored(kv_cache, value[start:end])
             else:
                 slots = _context_slots(meta.block_tables[i], seq_len, meta.block_size)
-                k, v = flat_cache[0].index_select(0, slots), flat_cache[1].index_select(0, slots)
+                k, v = gather_slots(kv_cache, slots, query.dtype)
             out[start:end] = _prefill(query[start:end], k.to(query.dtype), v.to(query.dtype), scale)
         return out
 
@@ -115,9 +122,8 @@ class TorchPagedAttention(AttentionBackend):
         Returns:
             ``[B, Hq, D]`` in ``query``'s dtype, contiguous.
         """
-        flat_cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
         return _decode(
-            query, flat_cache, block_tables, seq_lens, max_seq_len, meta.block_size, scale, meta.step_cache, cache_key
+            query, kv_cache, block_tables, seq_lens, max_seq_len, meta.block_size, scale, meta.step_cache, cache_key
         )
 
     def _decode_subset(
@@ -165,7 +171,7 @@ class TorchPagedAttention(AttentionBackend):
 
 def _decode(
     query: torch.Tensor,
-    flat_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int,
@@ -183,7 +189,9 @@ def _decode(
 
     Args:
         query: ``[B, Hq, D]``, row ``b`` belongs to sequence ``b``.
-        flat_cache: ``[2, num_slots, Hkv, D]``.
+        kv_cache: contiguous ``[2, num_blocks, block_size, Hkv, row]`` (see
+            :mod:`streamkv.attention.kv_layout`; quantized rows are dequantized
+            to ``query``'s dtype as they are gathered).
         block_tables: int ``[B, max_blocks]``.
         seq_lens: int ``[B]``, each in ``1..max_seq_len``.
         max_seq_len: the largest entry of ``seq_lens`` (a host int: no sync).
@@ -194,7 +202,7 @@ def _decode(
         ``[B, Hq, D]`` contiguous.
     """
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = flat_cache.shape[2]
+    num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     cached = step_cache.get(cache_key) if step_cache is not None else None
     if cached is None:
@@ -203,8 +211,7 @@ def _decode(
             step_cache[cache_key] = (rows, bias)
     else:
         rows, bias = cached  # type: ignore[misc]
-    kv = flat_cache.view(2, -1, head_dim).index_select(1, rows)
-    kv = kv.view(2, num_seqs * num_kv_heads, max_seq_len, head_dim).to(query.dtype)
+    kv = gather_rows(kv_cache, rows, query.dtype).view(2, num_seqs * num_kv_heads, max_seq_len, head_dim)
     q = query.reshape(num_seqs * num_kv_heads, group, head_dim)  # a query group shares its KV head
     scores = torch.baddbmm(bias, q, kv[0].transpose(1, 2), alpha=scale)  # [B * Hkv, G, max_ctx]
     probs = scores.softmax(-1, dtype=torch.float32).to(query.dtype)

@@ -16,6 +16,11 @@ import torch
 LayerKV = Sequence[torch.Tensor]  # every tensor of one layer, block index on dim 1
 
 
+def _indexable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or its bytes for float8 (indexing kernels cover uint8 everywhere, float8 not on every device)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
 def copy_blocks(
     src: Sequence[LayerKV], dst: Sequence[LayerKV], src_ids: list[int], dst_ids: list[int], non_blocking: bool = False
 ) -> None:
@@ -40,7 +45,7 @@ def copy_blocks(
                 s_idx = torch.tensor(src_ids, device=s.device)
             if d_idx is None or d_idx.device != d.device:
                 d_idx = torch.tensor(dst_ids, device=d.device)
-            d[:, d_idx] = s[:, s_idx].to(d.device, non_blocking=non_blocking)
+            _indexable(d)[:, d_idx] = _indexable(s)[:, s_idx].to(d.device, non_blocking=non_blocking)
 
 
 def gather_blocks(tier: Sequence[LayerKV], block_ids: list[int]) -> list[list[torch.Tensor]]:
@@ -52,7 +57,7 @@ def gather_blocks(tier: Sequence[LayerKV], block_ids: list[int]) -> list[list[to
         for t in layer:
             if idx is None or idx.device != t.device:
                 idx = torch.tensor(block_ids, device=t.device)
-            row.append(t[:, idx].to("cpu"))
+            row.append(_indexable(t)[:, idx].to("cpu").view(t.dtype))
         out.append(row)
     return out
 

@@ -16,7 +16,15 @@ import sys
 from collections.abc import Sequence
 
 from streamkv.cache.offload_cli import add_offload_args, offload_cache_options
-from streamkv.config import CacheConfig, EngineConfig, ModelConfig, PreemptionMode, SchedulerConfig, ServerConfig
+from streamkv.config import (
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    PreemptionMode,
+    SchedulerConfig,
+    ServerConfig,
+)
 
 logger = logging.getLogger("streamkv")
 
@@ -174,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="weights and KV cache dtype; auto is bfloat16 on CPUs with AVX512-BF16 or AMX and on GPUs, else float32"
     )
+    serve.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=cache.kv_cache_dtype,
+        help="KV cache storage; auto follows --dtype; int8 / fp8_e4m3 keep one float32 scale per token and KV "
+        "head (3.76x the tokens of float32 at head_dim 64); the pool is sized in bytes",
+    )
     serve.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
     serve.add_argument(
         "--attention-backend",
@@ -311,6 +326,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
             max_pinned_fraction=args.max_pinned_fraction,
             swap_space=args.swap_space,
             **offload_cache_options(args),
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -54,7 +54,8 @@ def variants() -> list[tuple[str, triton.JITFunction, dict[str, str], dict[str, 
 
     out = [("store_kv bf16", _store_kv_kernel,
             {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"},
-            {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128}),
+            {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128, "QUANT": 0,
+             "QMAX": 1.0}),
            ("decode merge bf16", _decode_merge_kernel,
             {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16"},
             {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_S": 64})]
@@ -65,13 +66,31 @@ def variants() -> list[tuple[str, triton.JITFunction, dict[str, str], dict[str, 
                     {"q_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "block_tables_ptr": "*i32",
                      "seq_lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
                     {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_H": 16, "BLOCK_D": head_dim,
-                     "BLOCK_N": 64, **flags}))
+                     "BLOCK_N": 64, "QUANT": 0, **flags}))
         block_m, block_n = _tile_sizes(getattr(torch, TORCH_NAMES[dt]), head_dim)
         out.append((f"prefill {dt} D={head_dim}", _prefill_kernel,
                     {"q_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "block_tables_ptr": "*i32",
                      "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": f"*{dt}"},
                     {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_M": block_m,
-                     "BLOCK_N": block_n, "BLOCK_D": head_dim, **flags}))
+                     "BLOCK_N": block_n, "BLOCK_D": head_dim, "QUANT": 0, **flags}))
+    # Quantized caches (QUANT 1 int8, 2 fp8 as uint8): bf16 queries over 8-bit rows of head_dim + 4.
+    for quant, cache in ((1, "*i8"), (2, "*u8")):
+        flags = {"PRECISION": "tf32", "UPCAST": False}
+        out.append((f"store_kv bf16 -> quant {quant}", _store_kv_kernel,
+                    {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": cache, "slot_mapping_ptr": "*i64"},
+                    {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128,
+                     "QUANT": quant, "QMAX": 127.0 if quant == 1 else 448.0}))
+        out.append((f"decode split bf16 quant {quant}", _decode_split_kernel,
+                    {"q_ptr": "*bf16", "cache_ptr": cache, "block_tables_ptr": "*i32",
+                     "seq_lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"},
+                    {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_H": 16, "BLOCK_D": 128,
+                     "BLOCK_N": 64, "QUANT": quant, **flags}))
+        block_m, block_n = _tile_sizes(torch.bfloat16, 128)
+        out.append((f"prefill bf16 quant {quant}", _prefill_kernel,
+                    {"q_ptr": "*bf16", "cache_ptr": cache, "block_tables_ptr": "*i32",
+                     "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16"},
+                    {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": block_m,
+                     "BLOCK_N": block_n, "BLOCK_D": 128, "QUANT": quant, **flags}))
     return out
 
 

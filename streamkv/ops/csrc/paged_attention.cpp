@@ -6,22 +6,28 @@
 // scores of one task in a thread-local float buffer; for this engine's
 // contexts (<= a few thousand tokens) that buffer stays in L2.
 //
-//   kv_cache [2, num_blocks, block_size, Hkv, D]   (fp32 or bf16, contiguous)
+//   kv_cache [2, num_blocks, block_size, Hkv, R]   (contiguous)
+//     fp32 / bf16:   R = D, the row is the values
+//     int8 / fp8:    R = D + 4, the row is D codes then a float32 scale (streamkv/attention/kv_layout.py);
+//                    x = code * scale, applied once per row: to q . k after the dot, to p before the axpy
 //   token p of sequence b: block block_tables[b, p / block_size], offset p % block_size
 //
 // Everything accumulates in fp32, whatever the cache dtype.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -32,6 +38,36 @@ inline float to_float(at::BFloat16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+using fp8_t = c10::Float8_e4m3fn;
+
+// All 256 e4m3 codes as floats (NaN codes stay NaN): a table lookup per element, a gather per 16.
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(fp8_t(static_cast<uint8_t>(i), fp8_t::from_bits()));
+    return t;
+  }();
+  return table;
+}
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(fp8_t x) { return fp8_table()[x.x]; }
+
+template <typename kv_t>
+constexpr bool is_quantized = std::is_same_v<kv_t, int8_t> || std::is_same_v<kv_t, fp8_t>;
+
+// The dequantization scale of one row (1 for unquantized rows): the float32 after its head_dim codes.
+template <typename kv_t>
+inline float row_scale(const kv_t* row, int64_t head_dim) {
+  if constexpr (is_quantized<kv_t>) {
+    float s;
+    std::memcpy(&s, reinterpret_cast<const char*>(row) + head_dim, sizeof(s));
+    return s;
+  } else {
+    return 1.f;
+  }
 }
 
 template <typename kv_t>
@@ -62,7 +98,8 @@ void decode_generic(
   const int64_t q_stride_s = query.stride(0), q_stride_h = query.stride(1);
   const int64_t o_stride_s = out.stride(0), o_stride_h = out.stride(1);
   const int64_t bt_stride = block_tables.stride(0);
-  const int64_t slot_stride = num_kv_heads * head_dim;          // one slot's row of all heads
+  const int64_t row = kv_cache.size(4);                         // D, or D + 4 with a scale
+  const int64_t slot_stride = num_kv_heads * row;               // one slot's rows of all heads
   const int64_t block_stride = block_size * slot_stride;
   const int64_t v_offset = kv_cache.stride(0);                  // K and V halves
 
@@ -87,8 +124,9 @@ void decode_generic(
       std::fill(acc.begin(), acc.end(), 0.f);
       // Pass 1: scores[g, p] = q_g . k_p
       for (int64_t p = 0; p < len; ++p) {
-        const kv_t* k = kv_ptr + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * head_dim;
-        for (int64_t g = 0; g < group; ++g) scores[g * max_len + p] = dot(&q[g * head_dim], k, head_dim);
+        const kv_t* k = kv_ptr + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * row;
+        const float ks = row_scale(k, head_dim);
+        for (int64_t g = 0; g < group; ++g) scores[g * max_len + p] = dot(&q[g * head_dim], k, head_dim) * ks;
       }
       // Softmax per query head (max-subtracted, fp32).
       std::vector<float> inv_sum(group);
@@ -106,8 +144,9 @@ void decode_generic(
       // Pass 2: acc_g = sum_p softmax_gp v_p
       for (int64_t p = 0; p < len; ++p) {
         const kv_t* v =
-            kv_ptr + v_offset + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * head_dim;
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * max_len + p], v, &acc[g * head_dim], head_dim);
+            kv_ptr + v_offset + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * row;
+        const float vs = row_scale(v, head_dim);
+        for (int64_t g = 0; g < group; ++g) axpy(scores[g * max_len + p] * vs, v, &acc[g * head_dim], head_dim);
       }
       for (int64_t g = 0; g < group; ++g) {
         q_t* dst = o_ptr + b * o_stride_s + (h * group + g) * o_stride_h;
@@ -123,6 +162,13 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const fp8_t* p) {
+  const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_i32gather_ps(codes, fp8_table().data(), 4);
 }
 
 // exp on 16 lanes: 2^n * poly(r), x = n ln2 + r, |r| <= ln2 / 2; degree-7 Taylor (rel. error < 1e-7).
@@ -158,7 +204,8 @@ void decode_avx512(
   const int64_t q_stride_s = query.stride(0), q_stride_h = query.stride(1);
   const int64_t o_stride_s = out.stride(0), o_stride_h = out.stride(1);
   const int64_t bt_stride = block_tables.stride(0);
-  const int64_t slot_stride = num_kv_heads * head_dim;
+  const int64_t row = kv_cache.size(4);
+  const int64_t slot_stride = num_kv_heads * row;
   const int64_t block_stride = block_size * slot_stride;
   const int64_t v_offset = kv_cache.stride(0);
 
@@ -188,13 +235,14 @@ void decode_avx512(
       }
       // Pass 1: scores[g, p] = q_g . k_p, block by block through the table.
       for (int64_t p = 0; p < len; ++p) {
-        const kv_t* k = kv_ptr + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * head_dim;
+        const kv_t* k = kv_ptr + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * row;
+        const float ks = row_scale(k, head_dim);
         __m512 kr[C];
         for (int c = 0; c < C; ++c) kr[c] = load16(k + 16 * c);
         for (int64_t g = 0; g < group; ++g) {
           __m512 s = _mm512_mul_ps(q[g * C], kr[0]);
           for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[g * C + c], kr[c], s);
-          scores[g * padded_len + p] = _mm512_reduce_add_ps(s);
+          scores[g * padded_len + p] = _mm512_reduce_add_ps(s) * ks;
         }
       }
       // Softmax per query head; lanes past len are masked out of max, exp and sum.
@@ -218,11 +266,12 @@ void decode_avx512(
       // Pass 2: acc_g += softmax_gp * v_p.
       for (int64_t p = 0; p < len; ++p) {
         const kv_t* v =
-            kv_ptr + v_offset + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * head_dim;
+            kv_ptr + v_offset + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * row;
+        const float vs = row_scale(v, head_dim);
         __m512 vr[C];
         for (int c = 0; c < C; ++c) vr[c] = load16(v + 16 * c);
         for (int64_t g = 0; g < group; ++g) {
-          const __m512 w = _mm512_set1_ps(scores[g * padded_len + p]);
+          const __m512 w = _mm512_set1_ps(scores[g * padded_len + p] * vs);
           for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_fmadd_ps(w, vr[c], acc[g * C + c]);
         }
       }
@@ -261,7 +310,10 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [B, Hq, D] alike");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D]");
-  TORCH_CHECK(kv_cache.size(4) == query.size(2), "head_dim of query and kv_cache differ");
+  const auto kv_type = kv_cache.scalar_type();
+  const bool quantized = kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn;
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) + (quantized ? 4 : 0),
+              "kv_cache rows must be head_dim wide (head_dim + 4, a float32 scale, for int8 / fp8)");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads are not a multiple of KV heads");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a unit last stride");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
@@ -272,13 +324,21 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
               "seq_lens must be a contiguous [B]");
   TORCH_CHECK(query.scalar_type() == out.scalar_type(), "query and out dtypes differ");
   TORCH_CHECK(!query.is_cuda() && !kv_cache.is_cuda(), "CPU tensors only");
-  const auto q_type = query.scalar_type(), kv_type = kv_cache.scalar_type();
+  const auto q_type = query.scalar_type();
   if (q_type == at::kFloat && kv_type == at::kFloat) {
     decode_kernel<float, float>(out, query, kv_cache, block_tables, seq_lens, scale);
   } else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16) {
     decode_kernel<at::BFloat16, at::BFloat16>(out, query, kv_cache, block_tables, seq_lens, scale);
   } else if (q_type == at::kFloat && kv_type == at::kBFloat16) {
     decode_kernel<float, at::BFloat16>(out, query, kv_cache, block_tables, seq_lens, scale);
+  } else if (q_type == at::kFloat && kv_type == at::kChar) {
+    decode_kernel<float, int8_t>(out, query, kv_cache, block_tables, seq_lens, scale);
+  } else if (q_type == at::kBFloat16 && kv_type == at::kChar) {
+    decode_kernel<at::BFloat16, int8_t>(out, query, kv_cache, block_tables, seq_lens, scale);
+  } else if (q_type == at::kFloat && kv_type == at::kFloat8_e4m3fn) {
+    decode_kernel<float, fp8_t>(out, query, kv_cache, block_tables, seq_lens, scale);
+  } else if (q_type == at::kBFloat16 && kv_type == at::kFloat8_e4m3fn) {
+    decode_kernel<at::BFloat16, fp8_t>(out, query, kv_cache, block_tables, seq_lens, scale);
   } else {
     TORCH_CHECK(false, "unsupported dtypes: query ", q_type, ", kv_cache ", kv_type);
   }
