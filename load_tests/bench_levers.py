@@ -20,6 +20,12 @@ alone over the whole batch as one fresh prefill (fresh KV tensors, one
 attention-metadata build) and its matmuls alone again; the best round is
 reported (the least disturbed by other processes).
 
+``--int8-matmuls`` only times torch's weight-only int8 matmul
+(``aten._weight_int8pack_mm``, per-output-channel scales, bf16 activations:
+what gpt-fast and torchao run) against the oneDNN-packed bf16 matmul the
+engine runs, on SmolLM2's projection shapes and its LM head, for a few row
+counts (#13 item 5: measured before building ``--quantization int8``).
+
 With ``--threads 1`` every time is the thread's CPU time
 (``time.thread_time``): time-slicing by other processes on a loaded machine is
 not counted (their cache and memory-bandwidth pressure still is). With more
@@ -58,9 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="torch,cpu")
     p.add_argument("--fused", default="on", help="comma list of on/off: fused C++ layer ops or torch ops")
     p.add_argument("--prefill-rounds", type=int, default=2)
+    p.add_argument("--int8-matmuls", action="store_true", help="only the int8 vs bf16 matmul A/B (item 5)")
+    p.add_argument("--int8-rows", default="1,2,4,8,32")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
+
+    if args.int8_matmuls:
+        print(f"torch {torch.__version__}, {args.threads} thread(s), load average {os.getloadavg()[0]:.1f} at start")
+        int8_matmuls([int(r) for r in args.int8_rows.split(",")], clock)
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
+        return 0
 
     import transformers
 
@@ -146,6 +160,48 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {best_fwd:.0f} | {best_ceiling:.0f} | {best_fwd / best_ceiling:.0%} |")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     return 0
+
+
+# SmolLM2-135M: (out, in) of qkv, o, gate_up, down; the LM head (tied embedding).
+SMOLLM2_PROJECTIONS = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+SMOLLM2_LM_HEAD = (49152, 576)
+
+
+@torch.inference_mode()
+def int8_matmuls(rows_list: list[int], clock: Callable[[], float], rounds: int = 5, reps: int = 20) -> None:
+    """Print ms of one layer's projections and of the LM head: int8 weight-only vs oneDNN-packed bf16, best round."""
+    gen = torch.Generator().manual_seed(0)
+
+    def weights(shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w = torch.randn(shape, generator=gen) * 0.02
+        scale = w.abs().amax(1) / 127
+        q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 32)
+        return q, scale.to(torch.bfloat16), packed
+
+    layer = [weights(s) for s in SMOLLM2_PROJECTIONS]
+    head = [weights(SMOLLM2_LM_HEAD)]
+    print("| rows | layer int8 ms | layer bf16 ms | int8 / bf16 | LM head int8 ms | LM head bf16 ms | int8 / bf16 |")
+    print("|---|---|---|---|---|---|---|")
+    for rows in rows_list:
+        cells = []
+        for mats in (layer, head):
+            xs = [torch.randn(rows, q.shape[1], generator=gen).to(torch.bfloat16) for q, _, _ in mats]
+            best = {"int8": float("inf"), "bf16": float("inf")}
+            n = reps if mats is layer else max(1, reps // 4)
+            for _ in range(rounds):
+                t0 = clock()
+                for _ in range(n):
+                    for x, (q, scale, _) in zip(xs, mats, strict=True):
+                        torch.ops.aten._weight_int8pack_mm(x, q, scale)
+                best["int8"] = min(best["int8"], (clock() - t0) / n)
+                t0 = clock()
+                for _ in range(n):
+                    for x, (_, _, packed) in zip(xs, mats, strict=True):
+                        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+                best["bf16"] = min(best["bf16"], (clock() - t0) / n)
+            cells += [f"{best['int8'] * 1e3:.3f}", f"{best['bf16'] * 1e3:.3f}", f"{best['int8'] / best['bf16']:.2f}"]
+        print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
 @torch.inference_mode()
