@@ -45,11 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from bench_common_throughput import (  # noqa: E402
     blocks_needed,
-    load_warning,
     machine_banner,
     run_engine,
     uniform_workload,
 )
+from common import load_warning  # noqa: E402
 
 PROMPT_LEN = OUTPUT_LEN = 128
 STAGES = ("linear", "attention", "lm_head", "sampling", "other_model", "python_scheduler")
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write every figure to this JSON file")
     args = p.parse_args(argv)
 
-    info = machine_banner(args.threads, "streamkv rows: B x 128 in / 128 out, greedy")
+    info = machine_banner(args.threads, "streamkv rows: B x 128 in / 128 out, greedy", "load_tests.bench_engine_rows")
     dtypes = args.dtypes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     t0 = time.perf_counter()
