@@ -19,6 +19,10 @@ decode step into linear layers, attention, LM head, sampling, other model ops
     .venv/bin/python -m load_tests.bench_engine_rows                        # the lead's quiet run (2 threads)
     .venv/bin/python -m load_tests.bench_engine_rows --threads 1 --batches 32 --repeats 1
     .venv/bin/python -m load_tests.bench_engine_rows --attention-backend torch   # the reference path, for A/B
+    .venv/bin/python -m load_tests.bench_engine_rows --fused on,off   # fused C++ layer ops vs torch ops (#13 item 3)
+
+With several variants (``--dtypes`` x ``--fused``) the rows run batch by batch,
+every variant at a batch before the next batch, so load drifts hit them alike.
 """
 
 from __future__ import annotations
@@ -41,18 +45,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from bench_common_throughput import (  # noqa: E402
     blocks_needed,
-    load_warning,
     machine_banner,
     run_engine,
     uniform_workload,
 )
+from common import load_warning  # noqa: E402
 
 PROMPT_LEN = OUTPUT_LEN = 128
 STAGES = ("linear", "attention", "lm_head", "sampling", "other_model", "python_scheduler")
 
 
-def load(dtypes: list[str]) -> tuple[dict[str, Any], Any]:
-    """Our model in each dtype and transformers' fp32 model, from one GGUF parse."""
+def load(dtypes: list[str], fused: list[str]) -> tuple[dict[str, Any], Any]:
+    """Our model per (dtype, fused on/off) variant, keyed by its label, and transformers' fp32 model."""
     import transformers
 
     from streamkv.model.loader import from_hf, load_hf_checkpoint
@@ -60,7 +64,13 @@ def load(dtypes: list[str]) -> tuple[dict[str, Any], Any]:
     transformers.utils.logging.disable_progress_bar()
     with contextlib.redirect_stderr(io.StringIO()):  # GGUF de-quantization draws a tqdm bar
         ckpt = load_hf_checkpoint(None, torch.float32)
-    models = {d: from_hf(ckpt, getattr(torch, d), torch.device("cpu")) for d in dtypes}
+    models = {
+        d if len(fused) == 1 else f"{d}, fused {f}": from_hf(
+            ckpt, getattr(torch, d), torch.device("cpu"), fused=f == "on"
+        )
+        for d in dtypes
+        for f in fused
+    }
     return models, ckpt.model
 
 
@@ -181,16 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median is reported")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "cpu"))
+    p.add_argument("--fused", default="on", help="comma list of on/off: fused C++ layer ops or the torch ops")
     p.add_argument("--breakdown-batch", type=int, default=32, help="0 skips the step breakdown")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers reference (agreement shows n/a)")
     p.add_argument("--out", type=Path, default=None, help="write every figure to this JSON file")
     args = p.parse_args(argv)
 
-    info = machine_banner(args.threads, "streamkv rows: B x 128 in / 128 out, greedy")
+    info = machine_banner(args.threads, "streamkv rows: B x 128 in / 128 out, greedy", "load_tests.bench_engine_rows")
     dtypes = args.dtypes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     t0 = time.perf_counter()
-    models, hf_model = load(dtypes)
+    models, hf_model = load(dtypes, args.fused.split(","))
     print(f"loaded {', '.join(dtypes)} in {time.perf_counter() - t0:.1f} s", flush=True)
     vocab = next(iter(models.values())).model.config.vocab_size
     workloads = {b: uniform_workload(b, PROMPT_LEN, OUTPUT_LEN, vocab, seed=0) for b in batches}
@@ -201,9 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     print("| engine | B | output tok/s | decode tok/s | TTFT mean | greedy = transformers fp32 (prompt 0) |")
     print("|---|---|---|---|---|---|")
-    for dtype in dtypes:
-        loaded = models[dtype]
-        for b in batches:
+    for b in batches:
+        for dtype, loaded in models.items():
             wl = workloads[b]
             llm = make_llm(loaded, b, args.attention_backend, blocks_needed(wl) + 8)
             run_engine(llm, uniform_workload(min(b, 4), 32, 8, vocab, seed=1000))  # warm-up
@@ -235,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nstep breakdown, batch {b}, ms per pure-decode step (share of the step):")
         print("| dtype | " + " | ".join(STAGES) + " | step |")
         print("|---|" + "---|" * (len(STAGES) + 1))
-        for dtype in dtypes:
-            llm = make_llm(models[dtype], b, args.attention_backend, blocks_needed(wl) + 8)
+        for dtype, loaded in models.items():
+            llm = make_llm(loaded, b, args.attention_backend, blocks_needed(wl) + 8)
             run_engine(llm, uniform_workload(4, 32, 8, vocab, seed=1000))
             br = breakdown(llm, wl)
             breakdowns[dtype] = br

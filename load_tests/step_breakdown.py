@@ -136,7 +136,7 @@ def instrument(h: DecodeHarness, timers: Timers) -> list[tuple[Any, str, Any]]:
         (model, "compute_logits", w("  compute_logits (LM head)", model.compute_logits)),
         (core.backend, "forward", w("    attention (total)", core.backend.forward)),
         (torch_paged, "_decode", w("      paged decode (gather+bmm)", torch_paged._decode)),
-        (llama, "apply_rope", w("    rope", llama.apply_rope)),
+        (llama, "apply_rope", w("    rope", llama.apply_rope)),  # the torch ops' RoPE; the fused op is in "rest"
         (engine_core, "sample_batch", w("sample_batch", engine_core.sample_batch)),
         (core.outputs, "_append_token", w("append_token (total)", core.outputs._append_token)),
         (IncrementalDetokenizer, "add_token", w("  detokenizer.add_token", add_token)),
@@ -146,7 +146,8 @@ def instrument(h: DecodeHarness, timers: Timers) -> list[tuple[Any, str, Any]]:
         if isinstance(module, llama.Linear):
             p.append((module, "forward", w(f"      linear {name.rsplit('.', 1)[-1]}", module.forward)))
         elif isinstance(module, llama.RMSNorm):
-            p.append((module, "forward", w("    rmsnorm", module.forward)))
+            # every norm runs through add_forward (the residual add fused in); it calls forward on the torch path
+            p.append((module, "add_forward", w("    rmsnorm", module.add_forward)))
         elif isinstance(module, llama.MLP):
             p.append((module, "forward", w("    mlp (total)", module.forward)))
     return p
@@ -176,7 +177,7 @@ def step_breakdown(loaded: Any, batch: int, context: int, steps: int, seed: int)
     accounted = (
         lin + attn + ms.get("    rmsnorm", 0.0) + ms.get("    rope", 0.0) + ms["    activation (silu*up, split)"]
     )
-    ms["    rest of forward (embedding, residual adds, views, rope index)"] = max(0.0, fwd - accounted)
+    ms["    rest of forward (embedding, views, rope index; fused RoPE)"] = max(0.0, fwd - accounted)
     ex = ms.get("runner.execute (total)", 0.0)
     ms["  input tensors, row gather"] = max(
         0.0, ex - ms.get("  AttentionMetadata.build", 0.0) - fwd - ms.get("  compute_logits (LM head)", 0.0)
@@ -214,7 +215,7 @@ ORDER = [
     "    rmsnorm",
     "    rope",
     "    activation (silu*up, split)",
-    "    rest of forward (embedding, residual adds, views, rope index)",
+    "    rest of forward (embedding, views, rope index; fused RoPE)",
     "  compute_logits (LM head)",
     "scheduler.update",
     "sample_batch",

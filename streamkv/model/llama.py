@@ -10,11 +10,19 @@ For CPU speed, the q/k/v projections run as one matmul (``qkv_proj``) and the
 gate/up projections as another (``gate_up_proj``): the checkpoint's weights are
 concatenated at load (vLLM does the same). RoPE cos/sin are precomputed for
 every position.
+
+The residual stream is carried next to each sublayer's output (vLLM's layout),
+so the residual add and the next RMSNorm are one op: ``x, residual =
+norm.add_forward(out, residual)``. On the CPU, :meth:`LlamaForCausalLM.use_fused_ops`
+swaps the element-wise ops (residual add + RMSNorm, SiLU-and-mul, RoPE) for the
+C++ ones in ``streamkv/ops/csrc/fused_layers.cpp``, which round where these
+torch ops do; the torch ops stay the reference and the fallback.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -25,6 +33,8 @@ from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.model.linear import Linear, pack_linear_weight
 from streamkv.model.rope import RopeScaling, apply_rope, read_rope, rope_inv_freq, rope_tables
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 __all__ = ["Linear", "LlamaConfig", "LlamaForCausalLM", "RopeScaling", "apply_rope", "rope_inv_freq", "rope_tables"]
 
@@ -184,6 +194,26 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, weight)
         return logits.float()
 
+    def use_fused_ops(self, ops: ModuleType | None) -> bool:
+        """Run RMSNorm (with its residual add), SiLU-and-mul and RoPE on ``ops`` (the fused C++ extension).
+
+        ``None`` restores the torch ops. Only a CPU model in float32 or
+        bfloat16 takes them.
+
+        Args:
+            ops: :func:`streamkv.ops.cpu_ops.load_fused_ops`'s module, or ``None``.
+
+        Returns:
+            True when the fused ops are now in use.
+        """
+        weight = self.model.norm.weight
+        if ops is not None and (weight.device.type != "cpu" or weight.dtype not in FUSED_DTYPES):
+            ops = None
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP, Attention)):
+                module.fused = ops
+        return ops is not None
+
     @torch.no_grad()
     def prepack_cpu_weights(self, batch_size_hint: int = 32) -> bool:
         """Move every matmul onto oneDNN-prepacked weights (see :class:`Linear`).
@@ -236,13 +266,14 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """``input_ids [T]``, ``cos/sin [T, 1, D]`` -> normed hidden ``[T, H]``."""
         h = F.embedding(input_ids, self.embed_tokens.weight)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta, backend)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta, backend)
+        return self.norm.add_forward(h, residual)[0]
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+    """Pre-norm residual block: ``h += attn(norm(h)); h += mlp(norm(h))``, the adds fused into the norms."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -254,15 +285,25 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """``h [T, H]`` -> ``[T, H]``."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, residual)`` of the previous layer (``residual`` None before the first) -> this layer's.
+
+        The residual stream after this layer is ``out + residual``; the next
+        norm adds them (in place on ``residual``).
+
+        Returns:
+            ``(mlp output [T, H], residual [T, H])``.
+        """
+        x, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(x, cos, sin, kv_cache, meta, backend)
+        x, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(x), residual
 
 
 class Attention(nn.Module):
@@ -277,6 +318,7 @@ class Attention(nn.Module):
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, qkv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
+        self.fused: ModuleType | None = None
 
     def forward(
         self,
@@ -291,7 +333,12 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d), cos, sin)
+        qk_in = qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d)
+        if self.fused is not None:
+            qk = torch.empty(qk_in.shape, dtype=qk_in.dtype)
+            self.fused.rope(qk, qk_in, cos, sin)
+        else:
+            qk = apply_rope(qk_in, cos, sin)
         q, k = qk[:, :hq], qk[:, hq:]
         v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
@@ -306,10 +353,15 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.fused: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if self.fused is not None:
+            act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
+            self.fused.silu_and_mul(act, gate_up)
+            return self.down_proj(act)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -321,9 +373,32 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused: ModuleType | None = None
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual += x`` (``residual = x`` when None), then the norm of it.
+
+        With the fused ops the add happens in place on ``residual`` (a tensor
+        the forward pass owns: never an input of the model).
+
+        Returns:
+            ``(normed [T, H], the new residual [T, H])``, both in ``x``'s dtype.
+        """
+        if residual is None:
+            return self.forward(x), x
+        if self.fused is not None:
+            out = torch.empty_like(x)
+            self.fused.add_rms_norm(out, x, residual, self.weight, self.eps)
+            return out, residual
+        residual = residual + x
+        return self.forward(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]`` in ``x``'s dtype."""
+        if self.fused is not None:
+            out = torch.empty_like(x)
+            self.fused.rms_norm(out, x, self.weight, self.eps)
+            return out
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # transformers rounds the normed activations to x's dtype before the weight multiplies.

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from streamkv.config import ModelConfig
-from streamkv.model.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
+from streamkv.model.llama import FUSED_DTYPES, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,9 @@ def load_hf_checkpoint(model: str | None, dtype: torch.dtype = torch.float32) ->
     return HFCheckpoint(model=hf_model.eval(), tokenizer=tokenizer, name=name)
 
 
-def from_hf(checkpoint: HFCheckpoint, dtype: torch.dtype, device: torch.device, *, prepack: bool = True) -> LoadedModel:
+def from_hf(
+    checkpoint: HFCheckpoint, dtype: torch.dtype, device: torch.device, *, prepack: bool = True, fused: bool = True
+) -> LoadedModel:
     """Build our model from a loaded transformers checkpoint.
 
     The checkpoint is left intact; tensors that need no conversion are shared with it.
@@ -172,6 +174,10 @@ def from_hf(checkpoint: HFCheckpoint, dtype: torch.dtype, device: torch.device, 
         device: where our model lives.
         prepack: on the CPU, run matmuls on oneDNN-prepacked weights
             (:meth:`LlamaForCausalLM.prepack_cpu_weights`; 1.3-2.5x faster).
+        fused: on the CPU in float32 or bfloat16, run residual add + RMSNorm,
+            SiLU-and-mul and RoPE as the fused C++ ops
+            (:meth:`LlamaForCausalLM.use_fused_ops`) when they build; the
+            torch ops run otherwise.
 
     Raises:
         ValueError: an unsupported architecture or RoPE scaling.
@@ -193,6 +199,10 @@ def from_hf(checkpoint: HFCheckpoint, dtype: torch.dtype, device: torch.device, 
     model.eval()
     if prepack and device.type == "cpu" and not model.prepack_cpu_weights():
         logger.info("oneDNN cannot take %s weights on this CPU; matmuls use torch's default path", dtype)
+    if fused and device.type == "cpu" and dtype in FUSED_DTYPES:
+        from streamkv.ops.cpu_ops import load_fused_ops  # builds on first use; None (logged) when it cannot
+
+        model.use_fused_ops(load_fused_ops())
     return LoadedModel(
         model=model,
         tokenizer=checkpoint.tokenizer,

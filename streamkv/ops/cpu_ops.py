@@ -1,4 +1,9 @@
-"""Build and load the C++ CPU ops in ``csrc/`` (paged decode attention).
+"""Build and load the C++ CPU ops in ``csrc/``: paged decode attention, fused layer ops.
+
+Two extensions, built and loaded independently so one that fails to build
+costs only its own fast path: ``streamkv_cpu_ops`` (``paged_attention.cpp``,
+:func:`load_cpu_ops`) and ``streamkv_fused_ops`` (``fused_layers.cpp``:
+residual add + RMSNorm, SiLU-and-mul, RoPE; :func:`load_fused_ops`).
 
 The extension is JIT-compiled by :func:`torch.utils.cpp_extension.load` with
 ``-O3 -march=native -fopenmp`` into a per-user cache folder
@@ -30,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "streamkv_cpu_ops"
 SOURCES = (Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp",)
+FUSED_EXTENSION_NAME = "streamkv_fused_ops"
+FUSED_SOURCES = (Path(__file__).resolve().parent / "csrc" / "fused_layers.cpp",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
@@ -40,29 +47,42 @@ def build_directory() -> Path:
 
 @functools.cache
 def load_cpu_ops() -> ModuleType | None:
-    """The compiled extension module, building it on first use; ``None`` when it cannot be built.
+    """The paged-attention extension, building it on first use; ``None`` when it cannot be built.
 
     The result is cached for the process, so a failed build is tried (and
     logged) once.
     """
+    return _build(EXTENSION_NAME, SOURCES, build_directory(), "the torch attention path")
+
+
+@functools.cache
+def load_fused_ops() -> ModuleType | None:
+    """The fused layer ops (``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rope``); ``None`` when unbuildable.
+
+    Cached for the process like :func:`load_cpu_ops`.
+    """
+    # Its own folder: cpp_extension keeps one build.ninja per folder.
+    return _build(FUSED_EXTENSION_NAME, FUSED_SOURCES, build_directory() / "fused", "the torch layer ops")
+
+
+def _build(name: str, sources: tuple[Path, ...], folder: Path, fallback: str) -> ModuleType | None:
     from torch.utils import cpp_extension
 
-    folder = build_directory()
     start = time.perf_counter()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(s) for s in SOURCES],
+            name=name,
+            sources=[str(s) for s in sources],
             extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a compile error: all mean "use torch ops"
-        logger.warning("streamkv CPU ops unavailable (%s: %s); using the torch attention path", type(exc).__name__, exc)
+        logger.warning("streamkv CPU ops %s unavailable (%s: %s); using %s", name, type(exc).__name__, exc, fallback)
         return None
-    logger.info("streamkv CPU ops loaded from %s in %.1f s", folder, time.perf_counter() - start)
+    logger.info("streamkv CPU ops %s loaded from %s in %.1f s", name, folder, time.perf_counter() - start)
     return module
 
 
@@ -71,6 +91,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ok = load_cpu_ops() is not None
     print(f"streamkv CPU ops: {'built' if ok else 'NOT built (the torch attention path will run)'}", file=sys.stderr)
+    fused = load_fused_ops() is not None
+    print(f"streamkv fused ops: {'built' if fused else 'NOT built (the torch layer ops will run)'}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,278 @@
+// Fused element-wise ops of a Llama decoder layer on the CPU: residual add + RMSNorm,
+// SiLU-and-mul, RoPE. Each reads its inputs once and writes its output once, where the
+// torch composition makes 2-5 passes (x.float(), pow, mean, rsqrt, mul, to(bf16), mul, ...)
+// over the same rows.
+//
+// Rounding follows the torch reference path in streamkv/model/llama.py step by step,
+// so bf16 results round where torch's do:
+//   rms_norm      fp32: x * rsqrt(mean(x^2) + eps) * w
+//                 bf16: bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))      (transformers' order)
+//   add_rms_norm  residual = dtype(residual + x) in place, then rms_norm(residual)
+//   silu_and_mul  dtype(dtype(silu(gate)) * up), gate_up = [gate | up] per row
+//   rope          dtype(dtype(x * cos) + swap(x) * sin)                  (torch.addcmul's order)
+// Sums and products run in fp32 whatever the storage dtype.
+//
+// Rows are independent: at::parallel_for splits them over torch's threads.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f(float x) { return static_cast<T>(x); }
+
+// Round through the storage dtype (identity for fp32).
+template <typename T>
+inline float round_to(float x) { return to_f(from_f<T>(x)); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// fp32 -> bf16 with round-to-nearest-even, NaN kept NaN (c10::BFloat16's rule).
+inline __m256i to_bf16(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
+}
+inline __m512 round16(__m512 v, float*) { return v; }
+inline __m512 round16(__m512 v, at::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+
+// exp on 16 lanes: 2^n * poly(r), x = n ln2 + r, |r| <= ln2 / 2; degree-7 Taylor (rel. error < 1e-7).
+// Large x overflows to inf in scalef (so silu(-100) is -0, as in torch); x below -87 reads -87.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 poly = _mm512_set1_ps(1.f / 5040);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 720));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 120));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 24));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 6));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(poly, n);
+}
+#endif
+
+// Rows per parallel_for task: about 16k elements.
+inline int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with unit last stride");
+}
+
+// out = norm(src) for one row of n elements; src may alias nothing else written here.
+template <typename T>
+inline void norm_row(T* out, const T* src, const T* w, int64_t n, float eps) {
+  float ss = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = load16(src + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) ss += to_f(src[i]) * to_f(src[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16) {
+    __m512 y;
+    if constexpr (std::is_same_v<T, float>) {
+      y = _mm512_mul_ps(_mm512_mul_ps(load16(src + i), vinv), load16(w + i));
+    } else {
+      y = _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(src + i), vinv), out));
+    }
+    store16(out + i, y);
+  }
+#endif
+  for (; i < n; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      out[i] = src[i] * inv * w[i];
+    } else {
+      out[i] = from_f<T>(to_f(w[i]) * round_to<T>(to_f(src[i]) * inv));
+    }
+  }
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* o = out.data_ptr<T>();
+  const T* src = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  const int64_t so = out.stride(0), sx = x.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(o + r * so, src + r * sx, w, n, static_cast<float>(eps));
+  });
+}
+
+template <typename T>
+void add_rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                       double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* o = out.data_ptr<T>();
+  const T* src = x.data_ptr<T>();
+  T* res = residual.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  const int64_t so = out.stride(0), sx = x.stride(0), sr = residual.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* rr = res + r * sr;
+      const T* xr = src + r * sx;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16) store16(rr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
+#endif
+      for (; i < n; ++i) rr[i] = from_f<T>(to_f(rr[i]) + to_f(xr[i]));
+      norm_row(o + r * so, rr, w, n, static_cast<float>(eps));
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t rows = out.size(0), n = out.size(1);
+  T* o = out.data_ptr<T>();
+  const T* gu = gate_up.data_ptr<T>();
+  const int64_t so = out.stride(0), sg = gate_up.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * sg;
+      const T* u = g + n;
+      T* dst = o + r * so;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= n; i += 16) {
+        __m512 gv = load16(g + i);
+        __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        store16(dst + i, _mm512_mul_ps(round16(silu, dst), load16(u + i)));
+      }
+#endif
+      for (; i < n; ++i) {
+        const float gv = to_f(g[i]);
+        dst[i] = from_f<T>(round_to<T>(gv / (1.f + std::exp(-gv))) * to_f(u[i]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void rope_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  T* o = out.data_ptr<T>();
+  const T* src = x.data_ptr<T>();
+  const T* c = cos.data_ptr<T>();
+  const T* s = sin.data_ptr<T>();
+  const int64_t sxt = x.stride(0), sxh = x.stride(1), sot = out.stride(0), soh = out.stride(1);
+  const int64_t sct = cos.stride(0), sst = sin.stride(0);
+  at::parallel_for(0, tokens, grain(heads * d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* ct = c + t * sct;
+      const T* st = s + t * sst;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xr = src + t * sxt + h * sxh;
+        T* dst = o + t * sot + h * soh;
+        for (int64_t i = 0; i < d; ++i) {
+          const float swapped = to_f(xr[i < half ? i + half : i - half]);
+          dst[i] = from_f<T>(round_to<T>(to_f(xr[i]) * to_f(ct[i])) + swapped * to_f(st[i]));
+        }
+      }
+    }
+  });
+}
+
+void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, ": dtypes differ");
+  TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16, what, ": float32 or bfloat16 only");
+}
+
+}  // namespace
+
+// out [N, H] = rms_norm(x [N, H]) * weight [H]
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(out, "out");
+  check_rows(x, "x");
+  check_same(out, x, "rms_norm");
+  check_same(weight, x, "rms_norm");
+  TORCH_CHECK(out.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "rms_norm: shapes");
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(out, x, weight, eps);
+  else rms_norm_impl<at::BFloat16>(out, x, weight, eps);
+}
+
+// residual [N, H] += x [N, H] (in place, rounded to the dtype); out = rms_norm(residual) * weight
+void add_rms_norm(at::Tensor out, const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(out, "out");
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  check_same(out, x, "add_rms_norm");
+  check_same(residual, x, "add_rms_norm");
+  check_same(weight, x, "add_rms_norm");
+  TORCH_CHECK(out.sizes() == x.sizes() && residual.sizes() == x.sizes() && weight.dim() == 1 &&
+                  weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "add_rms_norm: shapes");
+  if (x.scalar_type() == at::kFloat) add_rms_norm_impl<float>(out, x, residual, weight, eps);
+  else add_rms_norm_impl<at::BFloat16>(out, x, residual, weight, eps);
+}
+
+// out [N, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+  check_rows(out, "out");
+  check_rows(gate_up, "gate_up");
+  check_same(out, gate_up, "silu_and_mul");
+  TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1), "silu_and_mul: shapes");
+  if (out.scalar_type() == at::kFloat) silu_and_mul_impl<float>(out, gate_up);
+  else silu_and_mul_impl<at::BFloat16>(out, gate_up);
+}
+
+// out [T, H, D] = x * cos + swap_halves(x) * sin, cos/sin [T, 1, D] (sin carries the sign)
+void rope(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "rope: CPU tensors only");
+  TORCH_CHECK(x.dim() == 3 && out.sizes() == x.sizes() && x.stride(2) == 1 && out.stride(2) == 1, "rope: shapes");
+  TORCH_CHECK(cos.dim() == 3 && sin.dim() == 3 && cos.size(0) == x.size(0) && cos.size(2) == x.size(2) &&
+                  sin.sizes() == cos.sizes() && cos.stride(2) == 1 && sin.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rope: cos/sin must be [T, 1, D] with an even D");
+  check_same(out, x, "rope");
+  check_same(cos, x, "rope");
+  check_same(sin, x, "rope");
+  if (x.scalar_type() == at::kFloat) rope_impl<float>(out, x, cos, sin);
+  else rope_impl<at::BFloat16>(out, x, cos, sin);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows (CPU, fp32/bf16)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual (CPU, fp32/bf16)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (CPU, fp32/bf16)");
+  m.def("rope", &rope, "rotary embedding, half-split layout (CPU, fp32/bf16)");
+}

@@ -1,0 +1,157 @@
+"""The fused C++ layer ops (``streamkv/ops/csrc/fused_layers.cpp``) against the torch ops they replace.
+
+Op level: each op against the torch expression of ``streamkv/model/llama.py``
+on shapes with vector tails (sizes not multiples of 16) and strided inputs;
+bf16 results must be bitwise equal (the op rounds where torch does), fp32
+within a few ulps (the sum of squares runs in a different order). Model
+level: a small random Llama on a NaN-poisoned paged pool, one mixed step
+(a fresh prefill, a chunk after cached tokens, decodes), torch ops vs fused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamkv.attention.metadata import AttentionMetadata
+from streamkv.attention.torch_paged import TorchPagedAttention
+from streamkv.model.llama import LlamaConfig, LlamaForCausalLM
+from streamkv.model.rope import apply_rope
+from streamkv.ops.cpu_ops import load_fused_ops
+
+ops = load_fused_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="the fused C++ ops could not be built here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+EPS = 1e-5
+
+
+def torch_rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, w.shape, w, EPS)
+    return w * F.rms_norm(x.float(), w.shape, eps=EPS).to(x.dtype)
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.bfloat16:
+        assert torch.equal(got, want), f"max |diff| {(got.float() - want.float()).abs().max().item()}"
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 581])
+def test_rms_norm_and_add_rms_norm_match_torch(dtype: torch.dtype, hidden: int) -> None:
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(37, hidden, generator=g) * 3).to(dtype)
+    residual = torch.randn(37, hidden, generator=g).to(dtype)
+    w = (1 + torch.randn(hidden, generator=g) * 0.1).to(dtype)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, EPS)
+    assert_matches(out, torch_rms_norm(x, w))
+
+    summed = residual + x
+    res = residual.clone()
+    ops.add_rms_norm(out, x, res, w, EPS)
+    assert torch.equal(res, summed)  # the residual add rounds like torch's
+    assert_matches(out, torch_rms_norm(summed, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [128, 203])
+def test_silu_and_mul_matches_torch(dtype: torch.dtype, inter: int) -> None:
+    g = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(29, 2 * inter, generator=g) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps and signed zero
+    out = gate_up.new_empty(29, inter)
+    ops.silu_and_mul(out, gate_up)
+    gate, up = gate_up.split(inter, dim=-1)
+    assert_matches(out, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_matches_torch_on_a_strided_view(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    tokens, hq, hkv, d = 23, 6, 2, 16
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    x = qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d)  # q and k heads, rows strided past v
+    cos = torch.randn(tokens, 1, d, generator=g).to(dtype)
+    sin = torch.randn(tokens, 1, d, generator=g).to(dtype)
+    out = torch.empty(x.shape, dtype=dtype)
+    ops.rope(out, x, cos, sin)
+    assert_matches(out, apply_rope(x, cos, sin))
+
+
+def test_ops_refuse_bad_input_with_a_clear_error() -> None:
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        ops.rms_norm(torch.empty_like(x), x, torch.ones(8, dtype=torch.bfloat16), EPS)
+    with pytest.raises(RuntimeError, match="shapes"):
+        ops.silu_and_mul(torch.empty(4, 3), x)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rms_norm(x.half(), x.half(), torch.ones(8).half(), EPS)
+
+
+def small_llama(dtype: torch.dtype) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        model_type="llama", hidden_size=80, intermediate_size=168, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=EPS, rope_theta=10000.0, rope_scaling=None,
+        vocab_size=300, tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False,
+        max_position_embeddings=256, sliding_window=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            nn.init.normal_(p, std=0.2)
+        for m in model.modules():
+            if hasattr(m, "eps"):
+                m.weight.add_(1.0)  # norm weights near 1
+    model.reset_rope(dtype=dtype, device="cpu")
+    return model.to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_step_with_fused_ops_matches_torch_ops(dtype: torch.dtype) -> None:
+    model = small_llama(dtype)
+    block_size, num_blocks = 4, 24
+    # seq 0: fresh 9-token prefill; seq 1: 5-token chunk after 6 cached; seqs 2, 3: decodes.
+    query_lens, seq_lens = [9, 5, 1, 1], [9, 11, 7, 13]
+    tables = [[3, 7, 1], [0, 9, 2], [11, 4], [5, 6, 8, 10]]
+    meta_args = (query_lens, seq_lens, tables, block_size)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 300, (sum(query_lens),), generator=g)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)])
+    shape = (2, num_blocks, block_size, 2, 16)
+    cached = torch.randn(shape, generator=g).to(dtype)
+    used = {b for t in tables for b in t}
+    cached[:, [b for b in range(num_blocks) if b not in used]] = float("nan")  # an unused block read poisons
+
+    def logits() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        caches = [cached.clone() for _ in range(2)]
+        meta = AttentionMetadata.build(*meta_args)
+        with torch.inference_mode():
+            hidden = model(ids, positions, caches, meta, TorchPagedAttention())
+            return model.compute_logits(hidden), caches
+
+    assert not model.use_fused_ops(None)
+    want, want_caches = logits()
+    assert model.use_fused_ops(ops)
+    got, got_caches = logits()
+    assert torch.isfinite(want).all()
+    for a, b in zip(got_caches, want_caches, strict=True):
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=1e-5, atol=1e-5)
+    if dtype == torch.bfloat16:
+        # Every op rounds like torch's; exp's last-ulp differences may flip a bf16 rounding rarely.
+        torch.testing.assert_close(got, want, rtol=0.0, atol=0.02)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_use_fused_ops_declines_other_dtypes() -> None:
+    model = small_llama(torch.float32).half()
+    assert not model.use_fused_ops(ops)
+    assert all(getattr(m, "fused", None) is None for m in model.modules())
