@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from streamkv.cache.disk_tier import DiskTier, kv_fingerprint
+from streamkv.beam_search import BeamSearch
 from streamkv.cache.kv_cache_manager import KVCacheManager, cdiv
 from streamkv.cache.offload import SessionOffload
 from streamkv.config import EngineConfig
@@ -95,6 +96,7 @@ class EngineCore:
         self.num_steps = 0
         self.watchdog = Watchdog()
         self._seq_ids = itertools.count()
+        self.beams = BeamSearch(self.scheduler, self.outputs, self.tokenizer, self.eos_token_ids, self._seq_ids)
         self._order = itertools.count()
         self.stats = self._build_stats()
         logger.info(
@@ -160,6 +162,13 @@ class EngineCore:
                 ErrorCode.EXCEEDS_POOL,
                 f"{n + max_tokens} tokens need more than the pool's {self.num_blocks} blocks of {self.block_size}",
             )
+        width = params.beam_width  # every beam may come to hold all its blocks alone (after preemptions)
+        if width is not None and width * cdiv(n + max_tokens, self.block_size) > self.num_blocks:
+            raise EngineError(
+                ErrorCode.EXCEEDS_POOL,
+                f"beam_width {width} x {n + max_tokens} tokens may need more than the pool's "
+                f"{self.num_blocks} blocks of {self.block_size}",
+            )
         return max_tokens
 
     def add_request(
@@ -190,13 +199,15 @@ class EngineCore:
         req.seqs.append(seq)
         self.outputs.add_request(req, sink)
         self.outputs.add_sequence(seq)
+        if params.beam_search:
+            self.beams.add(req)
         self.scheduler.add(seq)
         self.publish_stats()
         return req
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are freed (or pinned for its session) now."""
-        found = self.outputs.abort(request_id)
+        found = self.beams.abort(request_id) or self.outputs.abort(request_id)
         self.publish_stats()
         return found
 
@@ -246,7 +257,7 @@ class EngineCore:
         sampling = self.scheduler.update(out)
         seqs: list[Sequence] = []  # the sequences that sample, and the logits row each reads
         row_ids: list[int] = []
-        for row, s in enumerate(sampling):
+        for row, s in self.beams.take(sampling, logits, time.monotonic()):  # beam rows step their search
             req = s.seq.request
             if req.params.n > 1 and not req.forked:
                 ids = [next(self._seq_ids) for _ in range(req.params.n - 1)]

@@ -13,7 +13,7 @@ from streamkv.errors import EngineError
 from streamkv.metrics_hooks import MetricsHooks
 from streamkv.model.loader import LoadedModel
 from streamkv.outputs import CompletedRequest, CompletionOutput, RequestOutput
-from streamkv.sampling_params import SamplingParams
+from streamkv.sampling_params import EarlyStopping, SamplingParams
 
 _MODEL_KEYS = set(ModelConfig.__dataclass_fields__)
 _CACHE_KEYS = set(CacheConfig.__dataclass_fields__)
@@ -102,6 +102,56 @@ class LLM:
             self.core.step()
         return [results[rid] for rid in order]
 
+    def beam_search(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        *,
+        early_stopping: EarlyStopping = False,
+        num_hypotheses: int | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
+    ) -> list[CompletedRequest]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search`` arguments, transformers' scoring).
+
+        Beams share their blocks and fork copy-on-write (:mod:`streamkv.beam_search`);
+        the result equals transformers' ``generate(num_beams=beam_width,
+        do_sample=False, length_penalty=..., early_stopping=...)``.
+
+        Args:
+            prompts: strings (tokenized as-is) or token id lists.
+            beam_width: beams per prompt, 1..16.
+            max_tokens: most new tokens per hypothesis.
+            length_penalty: a hypothesis of ``L`` new tokens scores ``sum logprob / L ** length_penalty``.
+            early_stopping: ``True``, ``False`` or ``"never"``, as in transformers.
+            num_hypotheses: hypotheses returned per prompt (default ``beam_width``).
+            ignore_eos, stop_token_ids, min_tokens: as in :class:`SamplingParams`.
+
+        Returns:
+            One :class:`CompletedRequest` per prompt whose ``outputs`` are the
+            hypotheses, best first, each with its ``score``; ``token_ids``
+            end with the stop id when ``finish_reason`` is ``stop``.
+
+        Raises:
+            ValueError: an out-of-range argument.
+            streamkv.errors.EngineError: a prompt fails admission (nothing is run).
+        """
+        params = SamplingParams(
+            n=beam_width if num_hypotheses is None else num_hypotheses,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            beam_width=beam_width,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            ignore_eos=ignore_eos,
+            stop_token_ids=tuple(stop_token_ids),
+            min_tokens=min_tokens,
+        )
+        return self.generate(prompts, params)
+
 
 def _collect(res: CompletedRequest, out: RequestOutput | EngineError) -> None:
     if isinstance(out, EngineError):  # the synchronous engine reports failures by raising; never sent
@@ -112,5 +162,7 @@ def _collect(res: CompletedRequest, out: RequestOutput | EngineError) -> None:
         o.text += d.text
         if d.finish_reason is not None:
             o.finish_reason = d.finish_reason
+        if d.score is not None:
+            o.score = d.score
     if out.finished:
         res.usage, res.ttft_s, res.e2e_s = out.usage, out.ttft_s, out.e2e_s

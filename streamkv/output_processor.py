@@ -171,10 +171,37 @@ class OutputProcessor:
                 sample.logprobs.extend(logprobs[i] or ())
                 delta.logprobs = sample.take_logprobs(len(delta.token_ids))
             deltas.setdefault(seq.request.request_id, []).append(delta)
-        self.generation_tokens += len(seqs)
-        self._history.append((now, self.generation_tokens))
+        self.record_generated(len(seqs), now)
         for rid, ds in deltas.items():
             self._emit(self.requests[rid], ds)
+
+    def record_generated(self, num_tokens: int, now: float) -> None:
+        """Count ``num_tokens`` sampled tokens (throughput and the generation counter)."""
+        self.generation_tokens += num_tokens
+        self._history.append((now, self.generation_tokens))
+
+    def emit_final(self, req: Request, deltas: list[CompletionDelta], now: float) -> None:
+        """Finish ``req`` with deltas built elsewhere (beam search sends its hypotheses once, at the end).
+
+        Every sequence of ``req`` must be finished already. Usage counts the
+        deltas' tokens, the finished counters one sample per delta, and the
+        first token is this output (TTFT = e2e).
+        """
+        state = self.requests.pop(req.request_id)
+        elapsed = now - req.arrival_time
+        completion = sum(len(d.token_ids) for d in deltas)
+        usage = Usage(len(req.prompt_token_ids), req.num_cached_tokens, completion)
+        out = RequestOutput(req.request_id, deltas, True, usage, elapsed, elapsed, req.num_cached_tokens)
+        for d in deltas:
+            assert d.finish_reason is not None
+            self.finished[d.finish_reason] += 1
+        self.prompt_tokens += len(req.prompt_token_ids)
+        if self.metrics is not None:
+            self.metrics.observe_first_token(elapsed)
+            reason0 = deltas[0].finish_reason if deltas else FinishReason.CANCELLED
+            assert reason0 is not None
+            self.metrics.observe_finished(elapsed, len(req.prompt_token_ids), completion, reason0)
+        state.sink(out)
 
     def abort(self, request_id: str) -> bool:
         """End every unfinished sample of a request as ``cancelled`` and emit the final output."""

@@ -55,6 +55,7 @@ class CompletionDelta:
     text: str
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs is set
+    score: float | None = None  # beam search: the hypothesis' length-penalized log-probability
 
 
 @dataclass(slots=True)
@@ -65,6 +66,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
+    score: float | None = None  # beam search: the hypothesis' length-penalized log-probability
 
 
 @dataclass(slots=True)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs, OpenAI's top_logprobs cap)
+MAX_BEAM_WIDTH = 16  # as many beams as samples (``n``)
+
+EarlyStopping = bool | Literal["never"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +34,20 @@ class SamplingParams:
             sampled token's log-probability and the ``k`` likeliest
             alternatives (natural log, of the model's raw distribution,
             before temperature, top-k and top-p, as vLLM reports them).
+        beam_width: ``None`` samples; ``k`` in 1..16 runs beam search with
+            ``k`` beams (:mod:`streamkv.beam_search`) and returns the ``n``
+            best hypotheses (``n <= k``), all at the end. Beam search scores
+            the model's raw log-probabilities: ``temperature``, ``top_p``,
+            ``top_k`` and ``seed`` do not apply; ``stop`` strings and
+            ``logprobs`` are refused; EOS, ``stop_token_ids``,
+            ``ignore_eos`` and ``min_tokens`` apply as for sampling.
+        length_penalty: beam search ranks a hypothesis of ``L`` new tokens by
+            ``sum logprob / L ** length_penalty`` (transformers' rule); finite.
+        early_stopping: transformers' ``early_stopping``: ``True`` stops once
+            ``beam_width`` hypotheses are finished; ``False`` (default) stops
+            when the best running beam, scored at its current length, cannot
+            beat the worst finished one; ``"never"`` scores it at
+            ``max_tokens`` when ``length_penalty > 0``.
 
     Raises:
         ValueError: on out-of-range or non-finite (NaN, inf) values (the
@@ -47,6 +65,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +97,28 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
+        if self.beam_width is None:
+            return
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be in 1..{MAX_BEAM_WIDTH}, got {self.beam_width}")
+        if self.n > self.beam_width:
+            raise ValueError(f"n ({self.n}) must not exceed beam_width ({self.beam_width}): the n best are returned")
+        if self.stop:
+            raise ValueError("stop strings are not supported with beam_width (use stop_token_ids)")
+        if self.logprobs is not None:
+            raise ValueError("logprobs are not supported with beam_width")
+
+    @property
+    def beam_search(self) -> bool:
+        """Beam search (``beam_width`` set) rather than sampling."""
+        return self.beam_width is not None
 
     @property
     def greedy(self) -> bool:

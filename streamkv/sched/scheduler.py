@@ -127,13 +127,16 @@ class Scheduler:
             self._protected_running.append(seq)
 
     def fork(self, parent: Sequence, seq_ids: Iterable[int]) -> list[Sequence]:
-        """Fork ``parent`` into one running child per id (parallel sampling, n > 1).
+        """Fork ``parent`` into one child per id (parallel sampling, n > 1; beam search).
 
         Children get sample indices after the request's last one, share every
         block of ``parent`` (copy-on-write on the first write into a shared
-        block), and join the running set; the request is marked forked.
+        block), and join the running set; the request is marked forked. A
+        parent that holds no device blocks (a beam preempted while it waited
+        for its siblings) has children that wait at the front and recompute.
         """
         req = parent.request
+        shares = self.kv.has_blocks(parent.seq_id)
         children = []
         for seq_id in seq_ids:
             child = Sequence(
@@ -142,11 +145,14 @@ class Scheduler:
                 index=len(req.seqs),
                 token_ids=list(parent.token_ids),
                 num_prompt_tokens=parent.num_prompt_tokens,
-                num_computed_tokens=parent.num_computed_tokens,
+                num_computed_tokens=parent.num_computed_tokens if shares else 0,
             )
             req.seqs.append(child)
-            self.kv.fork(parent, child)
-            self.add_running(child)
+            if shares:
+                self.kv.fork(parent, child)
+                self.add_running(child)
+            else:
+                self.waiting.appendleft(child)
             children.append(child)
         req.forked = True
         return children
@@ -170,10 +176,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return self.num_unfinished > 0
 
-    def finish(self, seq: Sequence, status: SeqStatus) -> None:
-        """End a sequence: drop it from its queue, pin or free its blocks."""
+    def finish(self, seq: Sequence, status: SeqStatus, pin: bool | None = None) -> None:
+        """End a sequence: drop it from its queue, pin or free its blocks.
+
+        ``pin``: keep its blocks for its request's session; ``None`` pins
+        sample 0 of a sampling request (beam search picks its beam itself).
+        """
         if seq.status.finished:
             return
+        if pin is None:
+            pin = seq.index == 0 and not seq.request.params.beam_search
         if seq.status is SeqStatus.RUNNING:
             self._remove_running(seq)
         elif seq.status is SeqStatus.SWAPPED:
@@ -182,7 +194,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.set_status(status)
         session = seq.request.session_id
-        if session is not None and seq.index == 0 and self.kv.has_blocks(seq.seq_id):
+        if session is not None and pin and self.kv.has_blocks(seq.seq_id):
             self.kv.pin_session(session, seq)
         self.kv.free(seq.seq_id)
 
@@ -218,6 +230,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if budget == 0 or len(chosen) >= self.config.max_num_seqs:
                 break
+            if seq.num_computed_tokens == seq.num_tokens:
+                continue  # a beam that has sampled, waiting for its siblings (beam_search.py)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self._allocate(seq, n):
                 if self.kv.unpin_lru():
@@ -274,7 +288,7 @@ class Scheduler:
             self.swapped.pop(0)
             self.add_running(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self._allocate(seq, n):
+            if n and self._allocate(seq, n):  # n == 0: a waiting beam (see schedule)
                 chosen[seq.seq_id] = n
                 by_id[seq.seq_id] = seq
                 budget -= n

@@ -13,7 +13,9 @@ Every key but ``type`` (and ``content`` for chat) is optional; unknown keys
 are refused so that a typo never silently changes meaning. Params default to
 the values shown (``max_tokens: null`` means "up to max_model_len",
 ``top_k: null`` keeps every token; ``top_k: -1`` is accepted as the same);
-``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` are accepted too. Each
+``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` are accepted too, and
+``beam_width`` (with ``length_penalty`` and ``early_stopping``) runs beam
+search: the ``n`` best hypotheses arrive as one delta each at the end. Each
 param's type and range is the OpenAI API's
 (:class:`streamkv.server.openai.protocol.SamplingFields`), defined once.
 

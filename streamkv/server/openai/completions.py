@@ -5,7 +5,10 @@ Each prompt is one engine request with ``n`` samples; choice ``index`` is
 and ``temperature`` to 1 (OpenAI's defaults). ``echo`` prepends the prompt's
 text; ``logprobs: k`` returns the sampled tokens' logprobs and the ``k``
 likeliest alternatives (``echo`` with ``logprobs`` is refused: prompt
-logprobs are not computed).
+logprobs are not computed). ``beam_width`` (with ``length_penalty`` and
+``early_stopping``) runs beam search: the choices are the ``n`` best
+hypotheses, each sent whole when the search ends (one chunk per choice when
+streaming).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from streamkv.sampling_params import MAX_LOGPROBS, SamplingParams
+from streamkv.sampling_params import MAX_BEAM_WIDTH, MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16
@@ -48,6 +48,10 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    # beam search (streamkv's extension; vLLM spells it use_beam_search with n beams)
+    beam_width: Annotated[StrictInt, Field(ge=1, le=MAX_BEAM_WIDTH)] | None = None
+    length_penalty: Number = 1.0
+    early_stopping: StrictBool | Literal["never"] = False
 
     def sampling_params(
         self, *, default_max_tokens: int | None, default_temperature: float, logprobs: int | None = None
@@ -71,6 +75,9 @@ class SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            beam_width=self.beam_width,
+            length_penalty=float(self.length_penalty),
+            early_stopping=self.early_stopping,
         )
 
 
