@@ -158,6 +158,9 @@ class ServerConfig:
         api_key: when set, every route but ``/healthz``, ``/metrics`` and the
             web page's files needs ``Authorization: Bearer <api_key>``.
         max_body_bytes: largest HTTP request body the OpenAI API reads (413 above).
+        replica: the name of this replica under Ray Serve (``server/ray_app.py``),
+            ``None`` for a single process: labels ``/metrics`` and turns the resume
+            of a session this replica does not hold into ``session_lost``.
     """
 
     host: str = "127.0.0.1"
@@ -173,6 +176,7 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 8 * MiB
+    replica: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -197,3 +201,5 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be at least 1")
+        if self.replica is not None and not self.replica:
+            raise ValueError("replica must not be empty (None outside Ray Serve)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -29,6 +30,9 @@ from dataclasses import dataclass, field
 from streamkv.errors import EngineError, ErrorCode
 
 logger = logging.getLogger(__name__)
+
+# A client-chosen session id (the ``x-session-id`` a balancer hashes): long enough to stay unguessable.
+CLIENT_SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{16,128}$")
 
 
 class SessionState(enum.Enum):
@@ -84,6 +88,8 @@ class SessionRegistry:
         ttl: seconds a detached session waits for a resume before release.
         max_sweep: most sessions one sweep releases (keeps each sweep short).
         max_sessions: most live sessions (``None``: no cap); see :meth:`create`.
+        replica: this replica's name under Ray Serve; then the resume of a
+            session id it does not hold is ``session_lost`` (see :meth:`resume`).
     """
 
     def __init__(
@@ -94,7 +100,9 @@ class SessionRegistry:
         clock: Callable[[], float] = time.monotonic,
         max_sweep: int = 256,
         max_sessions: int | None = None,
+        replica: str | None = None,
     ) -> None:
+        self.replica = replica
         self._release_fn = release_fn
         self.ttl = ttl
         self._clock = clock
@@ -114,10 +122,15 @@ class SessionRegistry:
     def num_detached(self) -> int:
         return len(self._detached)
 
-    def create(self, *, resumable: bool = False) -> Session:
+    def create(self, *, resumable: bool = False, session_id: str | None = None) -> Session:
         """A new attached session; at ``max_sessions``, the longest-detached session is released first.
 
+        ``session_id`` is the client's own id (matching :data:`CLIENT_SESSION_ID`),
+        else a random one is drawn.
+
         Raises:
+            EngineError: ``invalid_params`` for a malformed ``session_id``,
+                ``session_busy`` for one that is live already.
             EngineError: ``too_many_sessions`` when at ``max_sessions`` and no
                 session is detached (each one is held by a socket).
         """
@@ -130,7 +143,11 @@ class SessionRegistry:
             oldest = next(iter(self._detached.values()))
             logger.info("max_sessions (%d) reached: evicting the longest-detached session", self.max_sessions)
             self.release(oldest)
-        session = Session(secrets.token_urlsafe(16), resumable=resumable, last_active=self._clock())
+        if session_id is not None and not CLIENT_SESSION_ID.match(session_id):
+            raise EngineError(ErrorCode.INVALID_PARAMS, "session_id: 16 to 128 characters of A-Z a-z 0-9 . _ : -")
+        if session_id is not None and session_id in self._sessions:
+            raise EngineError(ErrorCode.SESSION_BUSY, f"session {session_id!r} is live already")
+        session = Session(session_id or secrets.token_urlsafe(16), resumable=resumable, last_active=self._clock())
         self._sessions[session.session_id] = session
         return session
 
@@ -139,12 +156,21 @@ class SessionRegistry:
 
         Raises:
             EngineError: ``unknown_session`` (never existed, released or
-                expired), ``session_busy`` (another socket holds it).
+                expired), ``session_busy`` (another socket holds it). Under Ray
+                Serve (``replica`` set) an id this replica does not hold is
+                ``session_lost`` instead: it may have lived on a replica that
+                died, and one replica cannot tell that from an expired id.
         """
         session = self._sessions.get(session_id)
         if session is not None and session.state is SessionState.DETACHED and self._expired(session):
             self.release(session)
             session = None
+        if session is None and self.replica is not None:
+            raise EngineError(
+                ErrorCode.SESSION_LOST,
+                f"session {session_id!r} is not held by replica {self.replica} (its replica stopped, or it expired); "
+                "start a new session and resend the history",
+            )
         if session is None:
             raise EngineError(ErrorCode.UNKNOWN_SESSION, f"session {session_id!r} is unknown or has expired")
         if session.state is not SessionState.DETACHED:
