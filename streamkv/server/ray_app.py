@@ -53,6 +53,7 @@ class RayServeConfig:
     Attributes:
         replicas: engines, one Ray actor each.
         num_cpus: Ray CPUs reserved per replica (its torch threads, ``--threads``).
+        num_gpus: Ray GPUs reserved per replica (1 with ``--device cuda``, else 0).
         router: ``session`` (consistent hash on ``x-session-id``, strict: no
             fallback to another replica) or ``default`` (Ray's power of two choices).
         address: the Ray cluster (``auto``: the one ``ray start`` runs here);
@@ -64,6 +65,7 @@ class RayServeConfig:
 
     replicas: int = DEFAULT_REPLICAS
     num_cpus: float = 1.0
+    num_gpus: float = 0.0
     router: str = "session"
     address: str | None = None
     max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS
@@ -74,6 +76,8 @@ class RayServeConfig:
             raise ValueError("replicas must be at least 1")
         if self.num_cpus <= 0:
             raise ValueError("num_cpus must be positive")
+        if self.num_gpus < 0:
+            raise ValueError("num_gpus must be >= 0")
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {self.router!r}")
         if self.max_ongoing_requests < 1:
@@ -101,6 +105,7 @@ def ray_config(args: argparse.Namespace) -> RayServeConfig:
     return RayServeConfig(
         replicas=args.replicas,
         num_cpus=float(args.threads or 1),
+        num_gpus=1.0 if str(args.device).startswith("cuda") else 0.0,
         router=args.ray_router,
         address=args.ray_address,
         max_ongoing_requests=args.max_connections or DEFAULT_MAX_ONGOING_REQUESTS,
@@ -203,7 +208,7 @@ def build_application(
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
         "num_replicas": layout.replicas,
-        "ray_actor_options": {"num_cpus": layout.num_cpus},
+        "ray_actor_options": {"num_cpus": layout.num_cpus, "num_gpus": layout.num_gpus},
         "max_ongoing_requests": layout.max_ongoing_requests,
         "health_check_period_s": layout.health_check_period_s,
     }
