@@ -28,6 +28,7 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,7 @@ async def one_turn(client: Any, session_id: str, messages: list[dict[str, str]],
     ) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        replica = resp.headers.get("x-streamkv-replica")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -89,6 +91,7 @@ async def one_turn(client: Any, session_id: str, messages: list[dict[str, str]],
             if chunk.get("usage"):
                 usage = chunk["usage"]
     return {
+        "replica": replica,
         "ttft_s": ttft,
         "text": "".join(text),
         "prompt_tokens": usage.get("prompt_tokens", 0),
@@ -103,6 +106,8 @@ async def conversation(client: Any, index: int, system: str, args: Any) -> list[
     messages = [{"role": "system", "content": system}]
     rows = []
     for turn in range(args.turns):
+        if turn > 0 and args.think_time > 0:
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * args.think_time)
         question = f"Question {index}.{turn}: " + words(rng, args.user_words)
         messages.append({"role": "user", "content": question})
         row = await one_turn(client, session_id, messages, args)
@@ -135,6 +140,9 @@ def summarize(name: str, rows: list[dict[str, Any]], wall: float, turns: int) ->
         xs = [1e3 * r["ttft_s"] for r in rows if r["turn"] == t and r["ttft_s"] is not None]
         ttft[t] = (percentile(xs, 50), percentile(xs, 99))
     out_tokens = sum(r["completion_tokens"] for r in rows)
+    replica_of = {(r["conversation"], r["turn"]): r["replica"] for r in rows}
+    moved = sum(1 for r in later if replica_of.get((r["conversation"], r["turn"] - 1)) != r["replica"])
+    split = sorted(Counter(r["replica"] for r in rows).values(), reverse=True)
     return {
         "setup": name,
         "cached_share": share,
@@ -143,6 +151,9 @@ def summarize(name: str, rows: list[dict[str, Any]], wall: float, turns: int) ->
         "output_tokens": out_tokens,
         "wall_s": wall,
         "output_tok_s": out_tokens / wall,
+        "requests_per_replica": split,
+        "turns_moved": moved,
+        "turns_2plus": len(later),
     }
 
 
@@ -161,17 +172,20 @@ def run_setup(name: str, model: str | None, args: Any, port: int) -> dict[str, A
         )
     )
     layout = RayServeConfig(replicas=spec["replicas"], num_cpus=float(spec["threads"]), router=spec["router"])
+    # An app name of its own per set-up: the proxy keeps one router per deployment id, built with the
+    # first deployment's router class, so a redeploy under the same name would keep the previous router.
+    app_name = "bench-" + name.replace(" ", "-")
     t0 = time.perf_counter()
     serve.run(
         build_application(engine_config, ServerConfig(), layout, threads=spec["threads"]),
-        name="bench",
+        name=app_name,
         route_prefix="/",
     )
     print(f"{name}: {spec['replicas']} replica(s) up in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         rows, wall = asyncio.run(workload(f"http://127.0.0.1:{port}", args))
     finally:
-        serve.delete("bench")
+        serve.delete(app_name)
     result = summarize(name, rows, wall, args.turns)
     result["rows"] = rows
     return result
@@ -185,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="answer tokens per turn (ignore_eos)")
     parser.add_argument("--system-tokens", type=int, default=96, help="shared system prompt, about")
     parser.add_argument("--user-words", type=int, default=24, help="words per user turn")
+    parser.add_argument(
+        "--think-time", type=float, default=0.0,
+        help="mean seconds a user reads before the next turn (uniform 0.5x..1.5x); with 0 a conversation "
+        "resubmits the instant its replica frees a slot, which makes power-of-two-choices sticky by accident",
+    )  # fmt: skip
     parser.add_argument("--kv-cache-memory", type=int, default=256 * 2**20, help="bytes of KV pool per replica")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated, of: " + ", ".join(SETUPS))
@@ -202,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
 
     header = print_header(
         "Replicas on Ray Serve: affinity vs default router vs one engine", "load_tests.bench_replicas",
-        conversations=args.conversations, turns=args.turns, max_tokens=args.max_tokens, model=args.model or "SmolLM2",
+        conversations=args.conversations, turns=args.turns, max_tokens=args.max_tokens, think_time=args.think_time,
+        model=args.model or "SmolLM2",
     )  # fmt: skip
     model = ensure_tiny_model() if args.model == "tiny" else args.model
     port = free_port()
@@ -219,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         table(
-            ["set-up", "cached share (all)", "cached share (turn 2+)", "output tok/s", "wall s"],
-            [[r["setup"], r["cached_share"], r["cached_share_turn2plus"], r["output_tok_s"], r["wall_s"]]
-             for r in results],
+            ["set-up", "cached share (all)", "cached share (turn 2+)", "turns 2+ that moved replica",
+             "requests per replica", "output tok/s", "wall s"],
+            [[r["setup"], r["cached_share"], r["cached_share_turn2plus"], f"{r['turns_moved']} / {r['turns_2plus']}",
+              " + ".join(map(str, r["requests_per_replica"])), r["output_tok_s"], r["wall_s"]] for r in results],
             digits=3,
         )
     )  # fmt: skip
