@@ -158,3 +158,18 @@ def _check(client: httpx.Client, ray_url: str) -> None:
     replica, frames = _ws_turn(ray_url, secrets.token_urlsafe(16), {**first, "content": "Hello again."})
     assert frames[-1]["type"] == "done", frames
     assert client.post("/v1/completions", json={"prompt": "Once upon", **GREEDY}).status_code == 200
+
+
+def test_the_serve_run_builder_takes_serve_flags_as_key_value(tiny_model_dir: str) -> None:
+    from streamkv.server.ray_app import CONSISTENT_HASH_ROUTER
+    from streamkv.server.ray_entry import app_builder
+
+    args = {"replicas": "3", "model": tiny_model_dir, "num_blocks": "256", "threads": "1", "no_prefix_caching": "true"}
+    deployment = app_builder(args)._bound_deployment
+    assert (deployment.name, deployment.num_replicas) == (DEPLOYMENT_NAME, 3)
+    assert deployment.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert deployment._deployment_config.request_router_config.request_router_class == CONSISTENT_HASH_ROUTER
+    engine_config, server_config, threads = deployment.init_args
+    assert (engine_config.cache.num_blocks, engine_config.cache.enable_prefix_caching, threads) == (256, False, 1)
+    with pytest.raises(SystemExit):
+        app_builder({"replicas": "many"})

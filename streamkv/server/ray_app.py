@@ -256,6 +256,8 @@ def serve_with_ray(
             route_prefix="/",
             blocking=True,
         )
+    except KeyboardInterrupt:
+        logger.info("Ctrl-C: shutting down Ray Serve")
     finally:
         serve.shutdown()
 
