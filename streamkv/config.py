@@ -185,6 +185,9 @@ class ServerConfig:
         max_body_bytes: largest HTTP request body the OpenAI API reads (413 above).
         max_stored_responses: most Responses API responses kept server-wide
             (``store: true``); over it the least recently used is dropped.
+        replica: the name of this replica under Ray Serve (``server/ray_app.py``),
+            ``None`` for a single process: labels ``/metrics`` and turns the resume
+            of a session this replica does not hold into ``session_lost``.
     """
 
     host: str = "127.0.0.1"
@@ -201,6 +204,7 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 8 * MiB
     max_stored_responses: int = 4096
+    replica: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -227,3 +231,5 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be at least 1")
+        if self.replica is not None and not self.replica:
+            raise ValueError("replica must not be empty (None outside Ray Serve)")

@@ -19,6 +19,7 @@ class ErrorCode(enum.StrEnum):
     EXCEEDS_POOL = "exceeds_pool"  # could never fit the KV pool
     EMPTY_PROMPT = "empty_prompt"  # a prompt of no tokens (offline API)
     UNKNOWN_SESSION = "unknown_session"  # resume of an unknown or expired session id
+    SESSION_LOST = "session_lost"  # under Ray Serve: this replica does not hold the session (its replica died)
     SESSION_BUSY = "session_busy"  # the session has a turn in flight or another socket
     TOO_MANY_SESSIONS = "too_many_sessions"  # at max_sessions, and every session is attached to a socket
     PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"  # Responses: unknown, expired or another connection's

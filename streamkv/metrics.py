@@ -64,9 +64,15 @@ class EngineMetrics:
     Usage: construct, hand to the engine (it calls ``observe_*``), then
     ``attach(lambda: engine.snapshot(include_blocks=False))`` and serve
     ``render()`` at ``/metrics``.
+
+    Args:
+        const_labels: labels added to every series at render time (Ray Serve's
+            replicas pass ``{"replica": name}``); none by default, so a single
+            process exports exactly the names and labels documented in the README.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, const_labels: Mapping[str, str] | None = None) -> None:
+        self.const_labels = dict(const_labels or {})
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.time_to_first_token = Histogram(
@@ -205,7 +211,9 @@ class EngineMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition: ``(body, content_type)``."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if not self.const_labels:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(_Labelled(self.registry, self.const_labels)), CONTENT_TYPE_LATEST
 
 
 # ---------------------------------------------------------------- internals
@@ -221,6 +229,20 @@ def _num(d: Mapping[str, Any], key: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return 0.0
     return float(max(v, 0))
+
+
+class _Labelled:
+    """A registry seen through constant labels: every sample of every family gets ``labels`` added."""
+
+    def __init__(self, registry: CollectorRegistry, labels: Mapping[str, str]) -> None:
+        self._registry = registry
+        self._labels = dict(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [s._replace(labels={**s.labels, **self._labels}) for s in family.samples]
+            yield labelled
 
 
 class _SnapshotCollector(Collector):

@@ -32,6 +32,8 @@ const els = {
 const state = {
   ws: null,
   sessionId: null,
+  /** The session id in the open socket's URL (the conversation's, or a fresh one for the next). */
+  socketSessionId: null,
   /** The turn in flight: {el, samples: Map<index, {text: Text}>, frame, retried}. */
   turn: null,
   /** A frame typed while the socket was down; sent on (re)open. */
@@ -118,10 +120,20 @@ function setConn(s) {
   els.conn.title = `chat socket: ${s}`;
 }
 
+// The session id is chosen here, before the first socket, and rides in the URL of
+// every socket (?session_id=): a balancer hashing it (nginx `hash $arg_session_id`,
+// or one that copies it into the x-session-id header Ray Serve routes on) sends
+// every socket of the conversation to the replica that holds it.
+function newSessionId() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return btoa(String.fromCharCode(...bytes)).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
+
 function connect() {
   clearTimeout(state.reconnectTimer);
   setConn("connecting");
-  const ws = new WebSocket(wsUrl("/ws/chat"));
+  state.socketSessionId = state.sessionId || newSessionId();
+  const ws = new WebSocket(wsUrl(`/ws/chat?session_id=${encodeURIComponent(state.socketSessionId)}`));
   state.ws = ws;
 
   ws.addEventListener("open", () => {
@@ -220,18 +232,20 @@ function onError(msg) {
   const message = msg.message || "";
   const turn = state.turn;
 
-  // A resumed session the server no longer knows (expired, server restart):
-  // start a fresh session and send the same turn once more.
-  if (code === "unknown_session" && turn && !turn.retried && turn.frame.session_id) {
+  // A resumed session the server no longer knows (expired, server restart, or
+  // under Ray Serve its replica died: session_lost): start a fresh session and
+  // send the same turn once more (the server starts it under the socket's id).
+  const gone = code === "unknown_session" || code === "session_lost";
+  if (gone && turn && !turn.retried && turn.frame.session_id) {
     setSession(null);
-    addNotice("Previous session expired on the server; continuing in a new session.");
+    addNotice("Previous session is gone from the server (expired, or its replica stopped); continuing in a new session.");
     const frame = buildFrame(turn.frame.content);
     turn.frame = frame;
     turn.retried = true;
     sendFrame(frame);
     return;
   }
-  if (code === "unknown_session") setSession(null);
+  if (gone) setSession(null);
 
   if (turn) {
     finishTurn({ error: { code, message } });

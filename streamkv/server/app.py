@@ -74,7 +74,10 @@ def create_app(
     origins = OriginPolicy(server_config.allowed_origins)
     install_log_filters()
     sessions = SessionRegistry(
-        engine.release_session, server_config.session_ttl, max_sessions=server_config.max_sessions
+        engine.release_session,
+        server_config.session_ttl,
+        max_sessions=server_config.max_sessions,
+        replica=server_config.replica,
     )
     metrics.attach_sessions(lambda: len(sessions) - sessions.num_detached, lambda: sessions.num_detached)
     responses = ResponseStore(sessions, server_config.session_ttl, server_config.max_stored_responses)

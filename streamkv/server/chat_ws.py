@@ -92,6 +92,9 @@ class ChatConnection:
         self.session: Session | None = None
         self._turn: asyncio.Task[None] | None = None
         self._closing = False  # the socket is gone: a turn cut short now was never seen
+        # The id the handshake names (?session_id= from a browser, else the x-session-id header a
+        # balancer routes on): a chat frame without session_id resumes it if held here, else starts it.
+        self._named_id = websocket.query_params.get("session_id") or websocket.headers.get("x-session-id") or None
 
     async def run(self) -> None:
         self._writer.start()
@@ -161,8 +164,11 @@ class ChatConnection:
                     "open a new connection to resume a different one",
                 )
             return self.session
-        if frame.session_id is not None:
-            self.session = self._sessions.resume(frame.session_id)
+        resume_id = frame.session_id
+        if resume_id is None and self._named_id is not None and self._sessions.get(self._named_id) is not None:
+            resume_id = self._named_id
+        if resume_id is not None:
+            self.session = self._sessions.resume(resume_id)
             self._writer.send(
                 protocol.session_frame(
                     self.session.session_id,
@@ -172,7 +178,7 @@ class ChatConnection:
                 )
             )
         else:
-            self.session = self._sessions.create(resumable=bool(frame.resumable))
+            self.session = self._sessions.create(resumable=bool(frame.resumable), session_id=self._named_id)
             self._writer.send(protocol.session_frame(self.session.session_id, resumed=False))
         return self.session
 

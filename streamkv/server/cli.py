@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: torch's, one per core)",
     )
     add_offload_args(serve, parse_bytes)
+    from streamkv.server.ray_app import add_ray_args
+
+    add_ray_args(serve)
     serve.set_defaults(subparser=serve)
 
     chat = sub.add_parser(
@@ -415,6 +418,16 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
         sock.close()
 
 
+def _serve_with_ray(args: argparse.Namespace, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    from streamkv.server.ray_app import ray_config, serve_with_ray
+
+    try:
+        layout = ray_config(args)
+    except ValueError as e:
+        args.subparser.error(_name_the_flag(str(e), args))
+    serve_with_ray(engine_config, server_config, layout, args.threads)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -429,7 +442,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from streamkv.server.preflight import StartupError
 
         try:
-            serve(engine_config, server_config, args.log_level, args.threads)
+            if args.ray:
+                _serve_with_ray(args, engine_config, server_config)
+            else:
+                serve(engine_config, server_config, args.log_level, args.threads)
         except StartupError as e:
             print(f"streamkv serve: {e}", file=sys.stderr)
             return 1

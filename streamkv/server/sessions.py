@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -36,6 +37,9 @@ from streamkv.errors import EngineError, ErrorCode
 from streamkv.server.engine_api import ChatFormatterLike
 
 logger = logging.getLogger(__name__)
+
+# A client-chosen session id (the ``x-session-id`` a balancer hashes): long enough to stay unguessable.
+CLIENT_SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{16,128}$")
 
 
 class SessionState(enum.Enum):
@@ -104,6 +108,8 @@ class SessionRegistry:
         ttl: seconds a detached session waits for a resume before release.
         max_sweep: most sessions one sweep releases (keeps each sweep short).
         max_sessions: most live sessions (``None``: no cap); see :meth:`create`.
+        replica: this replica's name under Ray Serve; then the resume of a
+            session id it does not hold is ``session_lost`` (see :meth:`resume`).
     """
 
     def __init__(
@@ -114,7 +120,9 @@ class SessionRegistry:
         clock: Callable[[], float] = time.monotonic,
         max_sweep: int = 256,
         max_sessions: int | None = None,
+        replica: str | None = None,
     ) -> None:
+        self.replica = replica
         self._release_fn = release_fn
         self.ttl = ttl
         self._clock = clock
@@ -139,12 +147,16 @@ class SessionRegistry:
         """The live chain a client named ``alias`` (``x-session-id``), if any."""
         return self._aliases.get(alias)
 
-    def create(self, *, resumable: bool = False, alias: str | None = None) -> Session:
+    def create(self, *, resumable: bool = False, alias: str | None = None, session_id: str | None = None) -> Session:
         """A new attached session; at ``max_sessions``, the longest-detached session is released first.
 
         ``alias`` names it for :meth:`by_alias`; a live chain of that alias is released first.
+        ``session_id`` is the client's own id (matching :data:`CLIENT_SESSION_ID`),
+        else a random one is drawn.
 
         Raises:
+            EngineError: ``invalid_params`` for a malformed ``session_id``,
+                ``session_busy`` for one that is live already.
             EngineError: ``too_many_sessions`` when at ``max_sessions`` and no
                 session is detached (each one is held by a socket).
         """
@@ -157,9 +169,15 @@ class SessionRegistry:
             oldest = next(iter(self._detached.values()))
             logger.info("max_sessions (%d) reached: evicting the longest-detached session", self.max_sessions)
             self.release(oldest)
+        if session_id is not None and not CLIENT_SESSION_ID.match(session_id):
+            raise EngineError(ErrorCode.INVALID_PARAMS, "session_id: 16 to 128 characters of A-Z a-z 0-9 . _ : -")
+        if session_id is not None and session_id in self._sessions:
+            raise EngineError(ErrorCode.SESSION_BUSY, f"session {session_id!r} is live already")
         if alias is not None and alias in self._aliases:
             self.release(self._aliases[alias])
-        session = Session(secrets.token_urlsafe(16), resumable=resumable, last_active=self._clock(), alias=alias)
+        session = Session(
+            session_id or secrets.token_urlsafe(16), resumable=resumable, last_active=self._clock(), alias=alias
+        )
         self._sessions[session.session_id] = session
         if alias is not None:
             self._aliases[alias] = session
@@ -199,12 +217,21 @@ class SessionRegistry:
 
         Raises:
             EngineError: ``unknown_session`` (never existed, released or
-                expired), ``session_busy`` (another socket holds it).
+                expired), ``session_busy`` (another socket holds it). Under Ray
+                Serve (``replica`` set) an id this replica does not hold is
+                ``session_lost`` instead: it may have lived on a replica that
+                died, and one replica cannot tell that from an expired id.
         """
         session = self._sessions.get(session_id)
         if session is not None and session.state is SessionState.DETACHED and self._expired(session):
             self.release(session)
             session = None
+        if session is None and self.replica is not None:
+            raise EngineError(
+                ErrorCode.SESSION_LOST,
+                f"session {session_id!r} is not held by replica {self.replica} (its replica stopped, or it expired); "
+                "start a new session and resend the history",
+            )
         if session is None:
             raise EngineError(ErrorCode.UNKNOWN_SESSION, f"session {session_id!r} is unknown or has expired")
         if session.state is not SessionState.DETACHED:
