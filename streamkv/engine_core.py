@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from streamkv.cache.disk_tier import DiskTier, kv_fingerprint
 from streamkv.beam_search import BeamSearch
+from streamkv.cache.disk_tier import DiskTier, kv_fingerprint
 from streamkv.cache.kv_cache_manager import KVCacheManager, cdiv
 from streamkv.cache.offload import SessionOffload
 from streamkv.config import EngineConfig

@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from streamkv.attention.backend import AttentionBackend
-from streamkv.cache.block_copy import copy_blocks
 from streamkv.attention.kv_layout import (
     allocate_kv_cache,
     dequantize,
@@ -36,6 +35,7 @@ from streamkv.attention.kv_layout import (
 )
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
+from streamkv.cache.block_copy import copy_blocks
 from streamkv.config import CacheConfig
 from streamkv.llm import LLM
 from streamkv.metrics import EngineMetrics

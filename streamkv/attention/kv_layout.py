@@ -30,7 +30,6 @@ one way blocks move.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
