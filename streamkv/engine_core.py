@@ -94,6 +94,7 @@ class EngineCore:
             self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler.finish, metrics, config.model.seed
         )
         self.num_steps = 0
+        self._closed = False
         self.watchdog = Watchdog()
         self._seq_ids = itertools.count()
         self.beams = BeamSearch(self.scheduler, self.outputs, self.tokenizer, self.eos_token_ids, self._seq_ids)
@@ -222,7 +223,10 @@ class EngineCore:
         return self.offload.saved_sessions()
 
     def close(self) -> None:
-        """Shutdown: save idle sessions to the disk tier (if any) and stop its writer."""
+        """Shutdown: save idle sessions to the disk tier (if any) and stop its writer (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             pending = SchedulerOutput()  # copies decided after the last step (pins given way since)
             pending.swap_out, pending.swap_in, pending.spills = self.kv.take_transfers()
