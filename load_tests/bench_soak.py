@@ -21,20 +21,28 @@ with ``--trace-frames``, a tracemalloc diff by source line. So growth in RSS
 can be told apart: a leak of Python objects, native allocator slack, or
 native memory held by a library.
 
-oneDNN's primitive cache. The CPU linears run on oneDNN-prepacked weights,
-and oneDNN builds one primitive per input shape: per distinct row count
-(tokens in a step) times each linear's ``(in, out)``, about 0.56 MB each,
-kept in a least-recently-used cache of ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``
-entries (oneDNN's default 1024: up to ~570 MB). A soak meets new row counts
-for thousands of conversations (a long tail of batch mixes), so at the
-default capacity that bounded cache fills all through the soak and its fill
-reads as a decaying leak (docs/benchmarks.md, "Soak"). The soak therefore
-caps the spawned server's cache at ``--onednn-cache-capacity`` (default
-128, ~72 MB) entries, which the default warm-up of 300 conversations fills
-more than twice over (300 shapes at 300 conversations, measured), and fails
-when the cache was not yet full at the warm-up reading: growth after the
-warm-up is then everything but the cache. ``--onednn-cache-capacity 0``
-leaves oneDNN's default, to measure the server as it ships.
+oneDNN's caches. The CPU linears run on oneDNN-prepacked weights, and each
+new input shape (a distinct row count, i.e. tokens in a step, times each
+linear's ``(in, out)``) costs about 0.56 MB of native memory, half in
+oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and half in
+ideep's, torch's oneDNN wrapper (``LRU_CACHE_CAPACITY``): both
+least-recently-used, 1024 entries by default (a plateau of ~420 MB measured
+on the tiny model's shapes). A soak meets new row counts for thousands of
+conversations (a long tail of batch mixes), so at the default capacities the
+bounded caches fill all through the soak and their fill reads as a decaying
+leak (docs/benchmarks.md, "Soak"). The soak therefore caps both in the
+spawned server at ``--onednn-cache-capacity`` (default 128 entries, ~72 MB),
+which the default warm-up of 300 conversations fills more than twice over
+(300 to 356 shapes at 300 conversations, measured), and fails when they were
+not yet full at the warm-up reading: growth after the warm-up is then
+everything but these caches. ``--onednn-cache-capacity 0`` leaves the
+defaults, to measure the server as it ships.
+
+The goal is checked on the larger of two growths: RssAnon + VmSwap as read
+on arrival, and the same after ``gc.collect()`` and ``malloc_trim(0)`` (the
+probe trims at every reading, so the arrival figure after the first reading
+is measured against a trimmed start and reads low; the trimmed one compares
+like with like).
 
     python -m load_tests.bench_soak                 # 3,000 conversations, tiny model
     python -m load_tests.bench_soak --quick         # 40 conversations (the test suite's smoke run)
@@ -62,7 +70,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
 from load_tests.common import SpawnedServer, ensure_tiny_model, http_get_json, make_parser, write_json
-from load_tests.heap_probe import rss_anon_plus_swap
+from load_tests.heap_probe import ONEDNN_CACHE_ENV, rss_anon_plus_swap
 
 MB = 1 << 20
 GOAL_GROWTH_MB = 50.0
@@ -201,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the server under tracemalloc with this many frames and diff its snapshots "
                         "(slows the server; its own bookkeeping inflates RSS)")  # fmt: skip
     parser.add_argument("--onednn-cache-capacity", type=int, default=SOAK_ONEDNN_CACHE_CAPACITY,
-                        help="the server's ONEDNN_PRIMITIVE_CACHE_CAPACITY; 0: oneDNN's default")  # fmt: skip
+                        help="the server's oneDNN and ideep cache capacities; 0: their default")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="40 conversations, 10 of warm-up (a smoke run)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
@@ -215,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     deadline = t0 + args.duration
     if args.onednn_cache_capacity:  # the spawned server inherits this process's environment
-        os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(args.onednn_cache_capacity)
+        for name in ONEDNN_CACHE_ENV:
+            os.environ[name] = str(args.onednn_cache_capacity)
     server = SpawnedServer(serve_args)
     probe_dir = Path(tempfile.mkdtemp(prefix="streamkv-soak-probe-"))
     if not args.no_probe:
@@ -258,14 +267,21 @@ def main(argv: list[str] | None = None) -> int:
         "left_over": held,
     }
     cache_full = None
+    checked_mb = growth_mb
     if readings:
-        first = readings[0]
+        first, last = readings[0], readings[-1]
         cache_full = first["onednn_linear_shapes"] >= first["onednn_cache_capacity"]
+        checked_mb = max(growth_mb, last["rss_trimmed_mb"] - first["rss_trimmed_mb"])
+        result["growth_trimmed_mb"] = round(last["rss_trimmed_mb"] - first["rss_trimmed_mb"], 1)
+        if "malloc_in_use_mb" in first:
+            result["native_in_use_growth_mb"] = round(last["malloc_in_use_mb"] - first["malloc_in_use_mb"], 1)
+        result["python_blocks_growth"] = last["py_blocks"] - first["py_blocks"]
         result["onednn_cache_full_at_warmup"] = cache_full
         result["probes"] = [summarize(r) for r in readings]
         result["probe_growth"] = probe_growth(readings[0], readings[-1])
         if len(readings) > 2:
             result["probe_growth_last_segment"] = probe_growth(readings[-2], readings[-1])
+    result["goal_growth_mb"] = round(checked_mb, 1)  # what the goal is checked on (module doc)
     shutil.rmtree(probe_dir, ignore_errors=True)
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     if args.out:
@@ -277,11 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         failed.append(f"only {done} of {args.conversations} conversations ran within --duration")
     if any(held.values()):
         failed.append(f"not back to empty: { {k: v for k, v in held.items() if v} }")
-    if not args.quick and growth_mb >= GOAL_GROWTH_MB:
-        failed.append(f"memory grew {growth_mb:.1f} MB after warm-up (goal < {GOAL_GROWTH_MB:.0f} MB)")
+    if not args.quick and checked_mb >= GOAL_GROWTH_MB:
+        failed.append(f"memory grew {checked_mb:.1f} MB after warm-up (goal < {GOAL_GROWTH_MB:.0f} MB)")
     if not args.quick and cache_full is False:
         failed.append(
-            f"the oneDNN primitive cache was not full at the warm-up reading ({readings[0]['onednn_linear_shapes']} "
+            f"the oneDNN/ideep caches were not full at the warm-up reading ({readings[0]['onednn_linear_shapes']} "
             f"shapes < {readings[0]['onednn_cache_capacity']}): the growth includes its fill; raise --warmup or "
             "lower --onednn-cache-capacity"
         )

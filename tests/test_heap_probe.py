@@ -77,3 +77,15 @@ def test_probe_answers_sigusr1_and_counts_linear_shapes(tmp_path: Path) -> None:
     assert (first["onednn_linear_shapes"], last["onednn_linear_shapes"]) == (0, 3)  # rows 1, 3, 5
     assert last["onednn_cache_capacity"] > 0 and last["threads"] >= 1 and last["py_blocks"] > 0
     assert last["malloc_in_use_mb"] > 0 and last["rss_trimmed_mb"] > 0 and last["gc_types"]["builtins.dict"] > 0
+
+
+def test_onednn_cache_capacity_is_the_larger_of_onednn_and_ideep(monkeypatch: pytest.MonkeyPatch) -> None:
+    from load_tests.heap_probe import onednn_cache_capacity
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    assert onednn_cache_capacity() == 1024  # both defaults
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")
+    assert onednn_cache_capacity() == 1024  # oneDNN's own cache keeps filling up to 1024 shapes
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
+    assert onednn_cache_capacity() == 64  # both full once 64 shapes have run
