@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, PreemptionMode, SchedulerConfig, ServerConfig
+from streamkv.server.onednn_cache import add_onednn_cache_args, apply_capacity, register_capacity_gauge
 
 logger = logging.getLogger("streamkv")
 
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch CPU threads for the engine; fewer than the cores leaves room for other processes "
         "(default: torch's, one per core)",
     )
+    add_onednn_cache_args(serve)
     serve.set_defaults(subparser=serve)
 
     chat = sub.add_parser(
@@ -369,6 +371,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
         if threads is not None:
             torch.set_num_threads(threads)
         metrics = EngineMetrics()
+        register_capacity_gauge(metrics.registry)
         try:
             engine = AsyncEngine(engine_config, metrics=metrics)
         except (OSError, ValueError) as e:
@@ -399,6 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if args.threads is not None and args.threads < 1:
             args.subparser.error("argument --threads: must be at least 1")
+        try:  # before torch is imported (the libraries read these at their first matmul)
+            apply_capacity(args.onednn_cache_capacity)
+        except ValueError as e:
+            args.subparser.error(f"argument --onednn-cache-capacity: {e}")
         from streamkv.server.preflight import StartupError
 
         try:
