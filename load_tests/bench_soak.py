@@ -24,19 +24,19 @@ native memory held by a library.
 oneDNN's caches. The CPU linears run on oneDNN-prepacked weights, and each
 new input shape (a distinct row count, i.e. tokens in a step, times each
 linear's ``(in, out)``) costs about 0.56 MB of native memory, half in
-oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and half in
-ideep's, torch's oneDNN wrapper (``LRU_CACHE_CAPACITY``): both
-least-recently-used, 1024 entries by default (a plateau of ~420 MB measured
-on the tiny model's shapes). A soak meets new row counts for thousands of
-conversations (a long tail of batch mixes), so at the default capacities the
-bounded caches fill all through the soak and their fill reads as a decaying
-leak (docs/benchmarks.md, "Soak"). The soak therefore caps both in the
-spawned server at ``--onednn-cache-capacity`` (default 128 entries, ~72 MB),
-which the default warm-up of 300 conversations fills more than twice over
-(300 to 356 shapes at 300 conversations, measured), and fails when they were
-not yet full at the warm-up reading: growth after the warm-up is then
-everything but these caches. ``--onednn-cache-capacity 0`` leaves the
-defaults, to measure the server as it ships.
+oneDNN's primitive cache and half in ideep's (torch's oneDNN wrapper), both
+least-recently-used. The server bounds both (``serve
+--onednn-cache-capacity``, default 256 entries, ~145 MB; the libraries' own
+default, 1024, is ~0.56 GB). A soak meets new row counts for thousands of
+conversations (a long tail of batch mixes), so while the caches are not
+full their fill reads as a decaying leak (docs/benchmarks.md, "Soak"). The
+soak spawns the server with its defaults and fails when the caches were not
+yet full at the warm-up reading (the default warm-up of 300 conversations
+ran 300 to 356 distinct shapes, measured): growth after the warm-up is then
+everything but these caches. ``--onednn-cache-capacity N`` passes the flag
+to the server (1024: the libraries' defaults); the soak clears the two env
+vars from the server's environment, since a value there would override the
+flag.
 
 The goal is checked on the larger of two growths: RssAnon + VmSwap as read
 on arrival, and the same after ``gc.collect()`` and ``malloc_trim(0)`` (the
@@ -75,7 +75,6 @@ from load_tests.heap_probe import ONEDNN_CACHE_ENV, rss_anon_plus_swap
 MB = 1 << 20
 GOAL_GROWTH_MB = 50.0
 WARMUP = 300
-SOAK_ONEDNN_CACHE_CAPACITY = 128  # primitives; filled by the default warm-up (see above)
 
 
 @dataclass(slots=True)
@@ -168,6 +167,17 @@ def leftovers(http_url: str, timeout: float) -> dict[str, float]:
         time.sleep(0.2)
 
 
+def served_cache_capacity(http_url: str) -> dict[str, float]:
+    """The server's ``streamkv_onednn_cache_capacity`` gauge, by cache (``onednn``, ``ideep``)."""
+    with urllib.request.urlopen(http_url + "/metrics", timeout=5) as resp:  # noqa: S310 - our loopback server
+        return {
+            s.labels["cache"]: s.value
+            for fam in text_string_to_metric_families(resp.read().decode())
+            if fam.name == "streamkv_onednn_cache_capacity"
+            for s in fam.samples
+        }
+
+
 def summarize(reading: dict[str, Any]) -> dict[str, Any]:
     """A probe reading without its per-type counts, rounded for the report."""
     return {k: round(v, 1) if isinstance(v, float) else v for k, v in reading.items() if k != "gc_types"}
@@ -208,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-frames", type=int, default=None,
                         help="run the server under tracemalloc with this many frames and diff its snapshots "
                         "(slows the server; its own bookkeeping inflates RSS)")  # fmt: skip
-    parser.add_argument("--onednn-cache-capacity", type=int, default=SOAK_ONEDNN_CACHE_CAPACITY,
-                        help="the server's oneDNN and ideep cache capacities; 0: their default")  # fmt: skip
+    parser.add_argument("--onednn-cache-capacity", type=int, default=None,
+                        help="the server's --onednn-cache-capacity (default: the server's default)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="40 conversations, 10 of warm-up (a smoke run)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
@@ -219,12 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [rng.random() < args.abort_share for _ in range(args.conversations)]
     model = args.model or ensure_tiny_model()
     serve_args = ["--model", model, "--device", "cpu", "--num-blocks", "512", "--session-ttl", "60"]
+    if args.onednn_cache_capacity is not None:
+        serve_args += ["--onednn-cache-capacity", str(args.onednn_cache_capacity)]
     tally = Tally()
     t0 = time.monotonic()
     deadline = t0 + args.duration
-    if args.onednn_cache_capacity:  # the spawned server inherits this process's environment
-        for name in ONEDNN_CACHE_ENV:
-            os.environ[name] = str(args.onednn_cache_capacity)
+    for name in ONEDNN_CACHE_ENV:  # the spawned server inherits this environment; a value there beats the flag
+        os.environ.pop(name, None)
     server = SpawnedServer(serve_args)
     probe_dir = Path(tempfile.mkdtemp(prefix="streamkv-soak-probe-"))
     if not args.no_probe:
@@ -234,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     readings: list[dict[str, Any]] = []
     rss: list[tuple[int, float]] = []
     held: dict[str, float] = {}
+    served_capacity: dict[str, float] = {}
     with server:
         assert server.proc is not None
         pid = server.proc.pid
@@ -245,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             start = end
             if k == len(bounds) - 1:
                 held = leftovers(server.http_url, timeout=30.0)
+                served_capacity = served_cache_capacity(server.http_url)
             rss.append((tally.completed + tally.aborted, rss_anon_plus_swap(pid) / MB))
             if not args.no_probe:
                 reading = probe(pid, probe_dir, k)
@@ -265,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "growth_mb": round(growth_mb, 1),
         "rss_by_conversations": [[n, round(mb, 1)] for n, mb in rss],
         "left_over": held,
+        "onednn_cache_capacity_gauge": served_capacity,
     }
     cache_full = None
     checked_mb = growth_mb
@@ -299,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         failed.append(
             f"the oneDNN/ideep caches were not full at the warm-up reading ({readings[0]['onednn_linear_shapes']} "
             f"shapes < {readings[0]['onednn_cache_capacity']}): the growth includes its fill; raise --warmup or "
-            "lower --onednn-cache-capacity"
+            "pass a lower --onednn-cache-capacity"
         )
+    if readings and max(served_capacity.values(), default=None) != readings[0]["onednn_cache_capacity"]:
+        failed.append(f"the capacity gauge {served_capacity} disagrees with the server's environment "
+                      f"({readings[0]['onednn_cache_capacity']})")  # fmt: skip
     for line in failed:
         print(f"SOAK FAILED: {line}", file=sys.stderr)
     return 1 if failed else 0

@@ -22,9 +22,13 @@ with ``--trace-frames``, ``DIR/heap-<n>.snap``, a tracemalloc snapshot):
   two least-recently-used caches, about 0.28 MB in each (measured on the
   tiny model): oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``
   entries) and ideep's, torch's oneDNN wrapper (``LRU_CACHE_CAPACITY``), both
-  1024 by default. Native memory grows with this count until both are full,
-  then stays flat; ``onednn_cache_capacity`` is the larger of the two
-  capacities (both caches are full once the count reaches it);
+  1024 by default in the libraries, 256 as ``streamkv serve`` sets them
+  (``--onednn-cache-capacity``). Native memory grows with this count until
+  both are full, then stays flat; ``onednn_cache_capacity`` is the larger of
+  the two capacities as the server set them (both caches are full once the
+  count reaches it). The probe imports torch before ``serve`` sets the
+  variables; they still take effect, being read at the first matmul
+  (``load_tests.bench_onednn_cache``);
 - ``traced_mb`` (with ``--trace-frames``): tracemalloc's traced Python heap.
 
 The probe runs on the main thread (the event loop's) between bytecodes: send
@@ -49,6 +53,8 @@ import tracemalloc
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from streamkv.server.onednn_cache import ENV_VARS, LIBRARY_DEFAULT_CAPACITY
 
 MB = 1 << 20
 
@@ -106,8 +112,8 @@ def _asyncio_tasks() -> int | None:
         return None
 
 
-ONEDNN_DEFAULT_CACHE_CAPACITY = 1024  # oneDNN's primitive cache and ideep's LRU cache alike
-ONEDNN_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
+ONEDNN_DEFAULT_CACHE_CAPACITY = LIBRARY_DEFAULT_CAPACITY  # oneDNN's primitive cache and ideep's LRU cache alike
+ONEDNN_CACHE_ENV = ENV_VARS  # oneDNN's, ideep's
 
 
 def onednn_cache_capacity() -> int:
