@@ -405,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:  # before torch is imported (the libraries read these at their first matmul)
             apply_capacity(args.onednn_cache_capacity)
         except ValueError as e:
-            args.subparser.error(f"argument --onednn-cache-capacity: {e}")
+            args.subparser.error(str(e))
         from streamkv.server.preflight import StartupError
 
         try:

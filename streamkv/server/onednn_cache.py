@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 ENV_VARS: tuple[str, ...] = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
 CACHE_NAMES: dict[str, str] = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "onednn", "LRU_CACHE_CAPACITY": "ideep"}
-# Entries per cache. 256 shapes at ~0.56 MB is ~145 MB at most; a miss rebuilds one primitive (see
-# docs/benchmarks.md, "oneDNN shape caches", for what that costs against a step).
+# Entries per cache. 256 shapes at ~0.56 MB is ~145 MB at most; a miss rebuilds one primitive, about
+# 1 ms a step against 150+ ms of linears (docs/benchmarks.md, "Soak", "The server's bound").
 DEFAULT_CAPACITY = 256
 LIBRARY_DEFAULT_CAPACITY = 1024  # what either library uses when its variable is unset
 

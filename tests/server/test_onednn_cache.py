@@ -67,6 +67,11 @@ def test_a_bad_user_variable_is_refused_naming_it() -> None:
     env: dict[str, str] = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "lots"}
     with pytest.raises(ValueError, match="ONEDNN_PRIMITIVE_CACHE_CAPACITY='lots'"):
         apply_capacity(64, env)
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS} | {"LRU_CACHE_CAPACITY": "lots"}
+    done = subprocess.run(
+        [sys.executable, "-m", "streamkv", "serve"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "$LRU_CACHE_CAPACITY='lots'" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_the_gauge_reports_each_cache_capacity() -> None:
