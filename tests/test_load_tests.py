@@ -218,3 +218,7 @@ def test_soak_quick_returns_to_empty(tmp_path: Path) -> None:
     assert result["conversations"] == 40 and result["errors"] == 0 and result["aborted"] > 0
     assert not any(result["left_over"].values()) and "chat_sessions_attached" in result["left_over"]
     assert result["rss_anon_swap_final_mb"] > 0
+    # the heap probe read the server twice (warm-up, end): Python heap, native heap, oneDNN shapes
+    assert [p["n"] for p in result["probes"]] == [0, 1]
+    assert all(p["py_blocks"] > 0 and p["malloc_in_use_mb"] > 0 for p in result["probes"])
+    assert result["probes"][-1]["onednn_linear_shapes"] > 0 and "gc_types_grown" in result["probe_growth"]

@@ -25,6 +25,7 @@ from streamkv.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from streamkv.server.onednn_cache import add_onednn_cache_args, apply_capacity, register_capacity_gauge
 
 logger = logging.getLogger("streamkv")
 
@@ -264,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: torch's, one per core)",
     )
     add_offload_args(serve, parse_bytes)
+    add_onednn_cache_args(serve)
     from streamkv.server.ray_app import add_ray_args
 
     add_ray_args(serve)
@@ -399,6 +401,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
         if threads is not None:
             torch.set_num_threads(threads)
         metrics = EngineMetrics()
+        register_capacity_gauge(metrics.registry)
         try:
             engine = AsyncEngine(engine_config, metrics=metrics)
         except (OSError, ValueError) as e:
@@ -439,6 +442,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if args.threads is not None and args.threads < 1:
             args.subparser.error("argument --threads: must be at least 1")
+        try:  # before torch is imported (the libraries read these at their first matmul)
+            apply_capacity(args.onednn_cache_capacity)
+        except ValueError as e:
+            args.subparser.error(str(e))
         from streamkv.server.preflight import StartupError
 
         try:
