@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Protocol
 
 from streamkv.cache.hashing import BlockHash
 
@@ -38,3 +39,11 @@ class KVBlock:
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
     in_free_queue: bool = False
+
+
+class CacheSeq(Protocol):
+    """What the cache manager reads of a sequence."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int

@@ -9,17 +9,12 @@ order the runner applies the copies in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from streamkv.cache.block import KVBlock
+from streamkv.cache.block import CacheSeq, KVBlock
 from streamkv.cache.block_pool import BlockPool
 from streamkv.cache.cache_stats import OffloadStats
 from streamkv.cache.host_tier import HostSession, HostTier, SpillJob
 from streamkv.cache.session_pins import SessionPins
 from streamkv.cache.swap_space import SwapSpace
-
-if TYPE_CHECKING:
-    from streamkv.cache.kv_cache_manager import CacheSeq
 
 
 def cdiv(a: int, b: int) -> int:

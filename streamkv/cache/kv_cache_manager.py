@@ -19,9 +19,8 @@ computes ``k`` new tokens this step (block size ``bs``)::
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
-from streamkv.cache.block import KVBlock
+from streamkv.cache.block import CacheSeq, KVBlock
 from streamkv.cache.block_pool import BlockPool
 from streamkv.cache.cache_stats import KVCacheStats, OffloadStats
 from streamkv.cache.hashing import BlockHash, hash_block_tokens
@@ -29,15 +28,6 @@ from streamkv.cache.host_offload import HostOffloadMixin, cdiv
 from streamkv.cache.host_tier import HostTier
 from streamkv.cache.session_pins import SessionPins
 from streamkv.cache.swap_space import SwapSpace
-
-
-class CacheSeq(Protocol):
-    """What the cache manager reads of a sequence."""
-
-    seq_id: int
-    token_ids: list[int]
-    num_computed_tokens: int
-
 
 __all__ = ["CacheSeq", "KVCacheManager", "cdiv"]
 
