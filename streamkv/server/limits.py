@@ -88,13 +88,17 @@ async def receive_or_idle(
     """The next ASGI message of ``websocket``, or ``None`` after closing it for idleness.
 
     Silence only counts while ``busy()`` is false: a client waiting for its
-    answer sends nothing, and that is fine.
+    answer sends nothing, and that is fine. A window in which a turn was in
+    flight at its start does not count either, so a socket always gets a
+    full ``idle_timeout`` of silence after its last turn ends.
     """
+    busy_at_start = busy()
     while True:
         try:
             return await asyncio.wait_for(websocket.receive(), idle_timeout)
         except TimeoutError:
-            if busy():
+            if busy() or busy_at_start:
+                busy_at_start = busy()
                 continue
             metrics.limit_refusals.labels(limit="idle_timeout").inc()
             logger.info("closing a chat socket silent for %.0f s", idle_timeout)
