@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import re
 import sys
 from collections.abc import Sequence
 
@@ -25,85 +24,30 @@ from streamkv.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from streamkv.server.cli_types import (
+    DEFAULT_CHAT_URL,
+    HelpFormatter,
+    chat_url,
+    fraction_or_none,
+    int_or_none,
+    origins,
+    package_version,
+    parse_bytes,
+)
 from streamkv.server.onednn_cache import add_onednn_cache_args, apply_capacity, register_capacity_gauge
 
+__all__ = ["build_configs", "build_parser", "chat_url", "main", "parse_bytes", "serve"]
+
 logger = logging.getLogger("streamkv")
-
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-_UNITS = {"": 1, "b": 1, **{u + s: v for u, v in (_DECIMAL | _BINARY).items() for s in ("", "b")}}
-DEFAULT_CHAT_URL = "ws://127.0.0.1:8000/ws/chat"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(text: str) -> int:
-    """``"512MiB"`` -> 536870912. Binary (KiB, MiB, GiB, TiB; Ki, Mi, Gi) and
-    decimal (KB, MB, GB, TB; K, M, G) suffixes, any case; a bare number is bytes."""
-    m = _SIZE.match(text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (examples: 536870912, 512MiB, 1.5GiB)")
-    value = float(m.group(1)) * _UNITS[unit]
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
-    return int(value)
-
-
-def _fraction_or_none(text: str) -> float | None:
-    if text.lower() in ("none", "off"):
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds ``(default: X)`` once: not when the help already names its default, not for absent or off flags."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
-            return text
-        return super()._get_help_string(action) or text
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("streamkv")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-def _int_or_none(text: str) -> int | None:
-    if text.lower() in ("none", "off"):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-
-
-def _origins(text: str) -> tuple[str, ...]:
-    from streamkv.server.origin import OriginPolicy
-
-    entries = tuple(e.strip() for e in text.split(",") if e.strip())
-    try:
-        OriginPolicy(entries)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("allowed_origins: ")) from None
-    return entries
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamkv", description="LLM serving with a paged KV cache.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat}")
 
     cache, sched, server = CacheConfig(), SchedulerConfig(), ServerConfig()
-    serve = sub.add_parser("serve", help="run the HTTP/WebSocket server", formatter_class=_HelpFormatter)
+    serve = sub.add_parser("serve", help="run the HTTP/WebSocket server", formatter_class=HelpFormatter)
     serve.add_argument(
         "--model",
         default=None,
@@ -121,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--gpu-memory-utilization",
-        type=_fraction_or_none,
+        type=fraction_or_none,
         default=cache.gpu_memory_utilization,
         help="CUDA: fraction of device memory for the engine ('none': use --kv-cache-memory)",
     )
@@ -159,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-sessions",
-        type=_int_or_none,
+        type=int_or_none,
         default=server.max_sessions,
         help="live chat sessions; over it the longest-detached one is evicted, or, with none detached, "
         "a new session is refused with too_many_sessions ('none': no cap)",
@@ -181,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
         default="auto",
-        help="weights and KV cache dtype; auto is bfloat16 on CPUs with AVX512-BF16 or AMX and on GPUs, else float32"
+        help="weights and KV cache dtype; auto is bfloat16 on CPUs with AVX512-BF16 or AMX and on GPUs, else float32",
     )
     serve.add_argument(
         "--kv-cache-dtype",
@@ -209,14 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--allowed-origins",
-        type=_origins,
+        type=origins,
         default=server.allowed_origins,
         help="comma-separated origins (https://host[:port]) whose pages may open WebSockets besides the "
         "server's own, or '*' for any (default: same origin only)",
     )
     serve.add_argument(
         "--max-connections",
-        type=_int_or_none,
+        type=int_or_none,
         default=server.max_connections,
         help="open WebSockets + HTTP requests in flight; over it HTTP gets 503 and WebSockets close "
         "with 1013 ('none': no cap)",
@@ -242,9 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="info",
         help="debug adds every preemption with its reason (never WebSocket frames)",
     )
-    serve.add_argument(
-        "--served-model-name", default=None, help="model id of the OpenAI API (unset: the model's name)"
-    )
+    serve.add_argument("--served-model-name", default=None, help="model id of the OpenAI API (unset: the model's name)")
     serve.add_argument(
         "--api-key",
         default=None,
@@ -274,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser(
         "chat",
         help="chat with a running server from the terminal",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         description="Chat with a running streamkv server. Interactive by default (/reset, /quit); "
         "-m asks one question, prints the answer and a usage line, and exits.",
     )
@@ -294,22 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--resumable", action="store_true", help="keep the session after disconnecting")
     chat.set_defaults(subparser=chat)
     return parser
-
-
-def chat_url(text: str) -> str:
-    """The ``/ws/chat`` URL for ``--url``: ``http(s)://host:port[/]`` maps to ``ws(s)://host:port/ws/chat``.
-
-    Raises:
-        ValueError: not an http, https, ws or wss URL with a host.
-    """
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(text.strip() if "://" in text else f"http://{text.strip()}")
-    scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
-    if scheme is None or not parts.netloc:
-        raise ValueError(f"--url {text!r}: expected http://host:port or ws://host:port/ws/chat")
-    path = parts.path if parts.path not in ("", "/") else "/ws/chat"
-    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
 def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
