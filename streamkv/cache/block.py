@@ -47,3 +47,8 @@ class CacheSeq(Protocol):
     seq_id: int
     token_ids: list[int]
     num_computed_tokens: int
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints: the blocks ``a`` tokens fill at ``b`` tokens per block."""
+    return -(-a // b)

@@ -9,16 +9,12 @@ order the runner applies the copies in.
 
 from __future__ import annotations
 
-from streamkv.cache.block import CacheSeq, KVBlock
+from streamkv.cache.block import CacheSeq, KVBlock, cdiv
 from streamkv.cache.block_pool import BlockPool
 from streamkv.cache.cache_stats import OffloadStats
 from streamkv.cache.host_tier import HostSession, HostTier, SpillJob
 from streamkv.cache.session_pins import SessionPins
 from streamkv.cache.swap_space import SwapSpace
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class HostOffloadMixin:

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from streamkv.cache.block import CacheSeq, KVBlock
+from streamkv.cache.block import CacheSeq, KVBlock, cdiv
 from streamkv.cache.block_pool import BlockPool
 from streamkv.cache.cache_stats import KVCacheStats, OffloadStats
 from streamkv.cache.hashing import BlockHash, hash_block_tokens
-from streamkv.cache.host_offload import HostOffloadMixin, cdiv
+from streamkv.cache.host_offload import HostOffloadMixin
 from streamkv.cache.host_tier import HostTier
 from streamkv.cache.session_pins import SessionPins
 from streamkv.cache.swap_space import SwapSpace
