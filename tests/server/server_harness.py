@@ -28,11 +28,27 @@ import uvicorn
 from starlette.applications import Starlette
 from websockets.sync.client import ClientConnection, connect
 
-from streamkv.config import ServerConfig
+from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from streamkv.metrics import EngineMetrics
+from streamkv.model.loader import LoadedModel
 from streamkv.server.app import create_app
 from streamkv.server.engine_api import ServingEngine
 from streamkv.server.protocol import WS_MAX_SIZE
+
+
+def build_engine(
+    tiny_model_dir: str, tiny: LoadedModel, *, max_model_len: int, num_blocks: int, attention_backend: str = "auto"
+) -> tuple[Any, EngineMetrics]:
+    """A real :class:`AsyncEngine` on the tiny model (seed 0) and its metrics, for :func:`make_server`."""
+    from streamkv.engine import AsyncEngine
+
+    config = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir, device="cpu", seed=0, attention_backend=attention_backend),
+        cache=CacheConfig(num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_model_len=max_model_len),
+    )
+    metrics = EngineMetrics()
+    return AsyncEngine(config, metrics, loaded=tiny), metrics
 
 
 @dataclass

@@ -11,11 +11,9 @@ from collections.abc import Iterator
 import httpx
 import orjson
 import pytest
-from server_harness import RunningServer, chat_turn, connect_chat, make_server, wait_for
+from server_harness import RunningServer, build_engine, chat_turn, connect_chat, make_server, wait_for
 
-from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.llm import LLM
-from streamkv.metrics import EngineMetrics
 from streamkv.model.chat import ChatFormatter
 from streamkv.model.loader import LoadedModel
 
@@ -31,16 +29,9 @@ def offline(tiny: LoadedModel) -> LLM:
 
 @pytest.fixture
 def beam_server(tiny_model_dir: str, tiny: LoadedModel) -> Iterator[RunningServer]:
-    from streamkv.engine import AsyncEngine
-
-    config = EngineConfig(
-        # the torch backend: the C++ op's shared build folder may be locked by another build
-        model=ModelConfig(model=tiny_model_dir, device="cpu", attention_backend="torch"),
-        cache=CacheConfig(num_blocks=128),
-        scheduler=SchedulerConfig(max_model_len=1024),
-    )
-    metrics = EngineMetrics()
-    engine = AsyncEngine(config, metrics, loaded=tiny)
+    engine, metrics = build_engine(
+        tiny_model_dir, tiny, max_model_len=1024, num_blocks=128, attention_backend="torch"
+    )  # as `offline`
     with make_server(engine, metrics=metrics) as srv:
         yield srv
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import httpx
 from server_harness import RunningServer
+from server_harness import build_engine as harness_engine
 
-from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.metrics import EngineMetrics
 from streamkv.model.loader import LoadedModel
 
@@ -19,15 +19,8 @@ API_KEY = "sk-test-streamkv"
 def build_engine(
     tiny_model_dir: str, tiny: LoadedModel, *, max_model_len: int = MAX_MODEL_LEN, num_blocks: int = NUM_BLOCKS
 ) -> tuple[Any, EngineMetrics]:
-    from streamkv.engine import AsyncEngine
-
-    config = EngineConfig(
-        model=ModelConfig(model=tiny_model_dir, device="cpu", seed=0),
-        cache=CacheConfig(num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_model_len=max_model_len),
-    )
-    metrics = EngineMetrics()
-    return AsyncEngine(config, metrics, loaded=tiny), metrics
+    """:func:`server_harness.build_engine` at the OpenAI tests' sizes."""
+    return harness_engine(tiny_model_dir, tiny, max_model_len=max_model_len, num_blocks=num_blocks)
 
 
 def post_json(srv: RunningServer, path: str, body: Any, **kwargs: Any) -> httpx.Response:
