@@ -14,7 +14,8 @@ on three setups, each server alone on 127.0.0.1:
    caching (vLLM has no server-side history).
 
 streamkv's pool holds ``--pool-factor`` (1.5) times the conversations' working
-set (their final lengths, in blocks); ``--background`` stateless
+set (their final lengths, in blocks), and vLLM's the same number of tokens
+(``--num-gpu-blocks-override`` in its default 128-token blocks); ``--background`` stateless
 ``/v1/completions`` clients with random prompts churn the prefix cache while
 the conversations run. Measured per turn: TTFT (request sent to first text
 delta) p50 and p99 at turns 1, 4 and 8 (or the last), the cached share of the
@@ -59,6 +60,7 @@ from load_tests.common import free_port, percentile, print_header, table, write_
 WORDS = ("river stone light garden paper window music story winter market bridge forest "
          "number yellow silver engine planet letter castle ocean").split()  # fmt: skip
 BLOCK_SIZE = 16
+VLLM_CPU_BLOCK_SIZE = 128  # vllm/platforms/cpu.py: the CPU backend's default block size
 EST_TOKENS_PER_WORD = 1.4  # SmolLM2 on these words, for sizing the pool only
 TEMPLATE_TOKENS = 40  # system prompt + the template's own tokens, first turn
 
@@ -270,6 +272,7 @@ def streamkv_server(args: argparse.Namespace, num_blocks: int, log_dir: Path) ->
     ]
     if args.model:
         cmd += ["--model", args.model]  # fmt: skip
+    cmd += args.streamkv_arg
     return Server("streamkv", cmd, {"OMP_NUM_THREADS": str(args.threads)}, port, log_dir / "streamkv-serve.log")
 
 
@@ -277,12 +280,18 @@ def vllm_server(args: argparse.Namespace, num_blocks: int, log_dir: Path) -> Ser
     venv = peer_setup.ensure_vllm(args.cache_dir)
     hf = peer_setup.ensure_hf_model(args.cache_dir)
     port = free_port()
-    # vLLM sizes its pool in GiB; SmolLM2-135M fp32 KV is 30 layers x 2 x 3 heads x 64 x 4 bytes = 45 KiB per token;
-    # VLLM_CPU_KVCACHE_SPACE is whole GiB, so its pool is at least as large as streamkv's
-    kv_gib = max(1, round(num_blocks * BLOCK_SIZE * 30 * 2 * 3 * 64 * 4 / 2**30))
+    # The same pool as streamkv's, in tokens: vLLM's CPU backend uses its default block size (128 tokens),
+    # and --num-gpu-blocks-override (honoured on the CPU too, vllm/v1/core/kv_cache_utils.py) sets the block
+    # count; VLLM_CPU_KVCACHE_SPACE (whole GiB) only has to be large enough to hold them.
+    vllm_blocks = -(-num_blocks * BLOCK_SIZE // VLLM_CPU_BLOCK_SIZE)
+    bytes_per_token = 30 * 2 * 3 * 64 * (2 if args.dtype in ("bfloat16", "float16") else 4)  # SmolLM2-135M
+    kv_gib = max(1, -(-vllm_blocks * VLLM_CPU_BLOCK_SIZE * bytes_per_token // 2**30))
     cmd = [str(venv.cli), "serve", str(hf), "--served-model-name", args.model_name, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", "0",
-           "--enable-prefix-caching", "--enable-prompt-tokens-details"]  # fmt: skip
+           "--enable-prefix-caching", "--enable-prompt-tokens-details",
+           "--num-gpu-blocks-override", str(vllm_blocks)]  # fmt: skip
+    print(f"vllm: pool {vllm_blocks} blocks of {VLLM_CPU_BLOCK_SIZE} tokens "
+          f"({vllm_blocks * VLLM_CPU_BLOCK_SIZE} tokens; streamkv {num_blocks * BLOCK_SIZE})", flush=True)  # fmt: skip
     return Server("vllm", cmd, venv.env(args.threads, kv_gib), port, log_dir / "vllm-serve.log")
 
 
@@ -331,6 +340,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--model", default=None, help="streamkv --model (default: the SmolLM2 GGUF)")
     p.add_argument("--model-name", default="smollm2")
+    p.add_argument("--streamkv-arg", action="append", default=[],
+                   help="one more argument for streamkv serve, repeatable (--streamkv-arg=--max-num-batched-tokens "
+                        "--streamkv-arg=256)")  # fmt: skip
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--seed", type=int, default=0)
