@@ -105,16 +105,22 @@ class ResponseRunner:
             if previous is None:
                 self.metrics.previous_response_not_found.inc()
                 raise _not_found(req.previous_response_id)
-            if len(messages) != 1 or messages[0].role != "user":
-                raise invalid("input", "a response that continues another takes exactly one user message")
             if req.instructions is not None and req.instructions != previous.chain.system:
                 raise invalid(
                     "instructions",
                     "a chain keeps the instructions of its first response; start a new chain to change them",
                 )
             history = previous.token_ids
-            user = messages[0].text
-            ids = await asyncio.to_thread(chained_prompt, engine.chat, engine.eos_token_ids, history, user)
+            if len(messages) == 1 and messages[0].role == "user":  # the ids /ws/chat builds for a turn
+                user = messages[0].text
+                ids = await asyncio.to_thread(chained_prompt, engine.chat, engine.eos_token_ids, history, user)
+            else:
+                ended = history[-1] in engine.eos_token_ids
+                turns = [{"role": m.template_role, "content": m.text} for m in messages]
+                try:
+                    ids = history + await asyncio.to_thread(engine.chat.next_messages, turns, ended)
+                except Exception as e:  # noqa: BLE001 - a template that refuses a role order
+                    raise APIError(400, f"input: the chat template refused it: {e}", "invalid_value", "input") from None
         elif len(messages) == 1 and messages[0].role == "user":
             user, system = messages[0].text, req.instructions
             ids = await asyncio.to_thread(chained_prompt, engine.chat, engine.eos_token_ids, [], user, system)
