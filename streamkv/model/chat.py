@@ -115,13 +115,29 @@ class ChatFormatter:
             Ids whose text, after the history's, equals the template rendering
             of the whole conversation plus the generation prompt.
         """
+        return self.next_messages([_user(user)], last_finished_on_eos)
+
+    def next_messages(self, messages: list[dict[str, str]], last_finished_on_eos: bool) -> list[int]:
+        """:meth:`next_turn` for several new messages (``{"role", "content"}`` dicts, in order).
+
+        The ids to append to ``previous prompt ids + generated ids`` so that
+        the text equals the template rendering of the whole conversation
+        with ``messages`` after it, plus the generation prompt; contents are
+        tokenized as text, never as control tokens.
+
+        Raises:
+            ValueError: the template renders the earlier turns differently
+                once these messages follow.
+            jinja2.TemplateError: the template refuses them (e.g. a role order it does not allow).
+        """
         closing = self._closing_after_eos if last_finished_on_eos else self._closing
         # The template renders the reference conversation's earlier turns identically
-        # with and without the new turn, so the suffix is the new turn alone.
-        after = self._render([_user(_USER), _assistant(_ASSISTANT), _user(_slot(0))], add_generation_prompt=True)
+        # with and without the new turns, so the suffix is the new turns alone.
+        slotted = [{**m, "content": _slot(i)} for i, m in enumerate(messages)]
+        after = self._render([_user(_USER), _assistant(_ASSISTANT), *slotted], add_generation_prompt=True)
         if not after.startswith(self._reference):
-            raise ValueError("the chat template renders earlier turns differently once a user turn follows")
-        return self._encode_filled(closing + after[len(self._reference) :], [user])
+            raise ValueError("the chat template renders earlier turns differently once these messages follow")
+        return self._encode_filled(closing + after[len(self._reference) :], [m["content"] for m in messages])
 
     # --- internals ---------------------------------------------------------
 

@@ -6,7 +6,7 @@ Routes::
     GET /static/...  files under web/
     GET /healthz     {"status": "ok"|"degraded"|"error", "model": ..., "max_model_len": ...}
     GET /metrics     Prometheus text format
-    GET /api/stats   engine.snapshot() as JSON (?session_id=: the viewer's own blocks)
+    GET /api/stats   engine.snapshot() as JSON (?session_id= or ?response_id=: the viewer's own blocks)
     WS  /ws/chat     chat sessions (chat_ws.py)
     WS  /ws/stats    snapshots every ServerConfig.stats_interval s (stats_ws.py)
     /v1/..., /tokenize, /detokenize   the OpenAI-compatible API (openai/)
@@ -36,6 +36,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from streamkv.config import ServerConfig
+from streamkv.errors import ErrorCode
 from streamkv.metrics import EngineMetrics
 from streamkv.server.auth import APIKeyMiddleware
 from streamkv.server.chat_ws import chat_endpoint
@@ -43,10 +44,11 @@ from streamkv.server.engine_api import ServingEngine
 from streamkv.server.limits import ConnectionLimit, check_stop_strings
 from streamkv.server.logs import install_log_filters
 from streamkv.server.openai import OpenAIServing, openai_routes
+from streamkv.server.openai.errors import error_response
 from streamkv.server.origin import OriginCheck, OriginPolicy
 from streamkv.server.responses import ResponseStore, responses_routes
 from streamkv.server.sessions import SessionRegistry
-from streamkv.server.stats_ws import stats_endpoint
+from streamkv.server.stats_ws import Viewer, stats_endpoint, viewer_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +128,11 @@ def create_app(
         return Response(body, headers={"Content-Type": content_type})
 
     async def api_stats(request: Request) -> Response:
-        session_id = request.query_params.get("session_id") or None
-        stored = responses.get(session_id) if session_id is not None else None
-        pin_key = stored.chain.session_id if stored is not None and stored.is_head else session_id
-        snap = await asyncio.to_thread(engine.snapshot, pin_key)
-        if pin_key != session_id:  # a response id names its chain's blocks, under that id (the pin key stays secret)
-            blocks = list(snap.get("session_blocks", {}).values())
-            snap["session_blocks"] = {session_id: blocks[0]} if blocks else {}
+        try:
+            viewer = Viewer.from_query(request.query_params)
+        except ValueError as e:
+            return error_response(400, str(e), ErrorCode.INVALID_PARAMS, "response_id")
+        snap = await viewer_snapshot(engine, viewer, responses.chain_view)
         return Response(orjson.dumps(snap), media_type="application/json", headers={"Cache-Control": "no-store"})
 
     routes: list[Route | WebSocketRoute | Mount] = [
@@ -141,7 +141,7 @@ def create_app(
         Route("/metrics", metrics_route),
         Route("/api/stats", api_stats),
         WebSocketRoute("/ws/chat", chat_endpoint(engine, sessions, metrics, server_config)),
-        WebSocketRoute("/ws/stats", stats_endpoint(engine, server_config.stats_interval)),
+        WebSocketRoute("/ws/stats", stats_endpoint(engine, server_config.stats_interval, responses.chain_view)),
         *openai_routes(
             engine,  # type: ignore[arg-type]
             server_config.served_model_name,

@@ -19,6 +19,8 @@ class ChatFormatterLike(Protocol):
 
     def next_turn(self, user: str, last_finished_on_eos: bool) -> list[int]: ...
 
+    def next_messages(self, messages: list[dict[str, str]], last_finished_on_eos: bool) -> list[int]: ...
+
 
 class ServingEngine(Protocol):
     # Read-only members (properties), so that plain attributes of any subtype satisfy them.

@@ -1,4 +1,5 @@
-"""``POST /v1/responses`` (streamed as SSE or not), ``GET`` and ``DELETE /v1/responses/{id}``.
+"""``POST /v1/responses`` (streamed as SSE or not), ``GET`` and ``DELETE /v1/responses/{id}``,
+``POST /v1/responses/{id}/cancel``.
 
 Streaming sends each event as ``event: <type>`` + ``data: {json}``; an
 engine failure mid-stream ends it with an ``error`` event. Over HTTP,
@@ -16,13 +17,12 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamkv.errors import EngineError, ErrorCode
 from streamkv.server.openai.errors import APIError
 from streamkv.server.openai.generation import ClientGone, unless_disconnected
 from streamkv.server.openai.sse import SSEResponse
 from streamkv.server.responses.objects import Event, ResponseDraft
 from streamkv.server.responses.protocol import ResponseCreate
-from streamkv.server.responses.runner import ResponseRunner, TurnPlan
+from streamkv.server.responses.runner import ResponseRunner, TurnPlan, unknown_response
 
 
 def sse(event: Event) -> bytes:
@@ -92,7 +92,7 @@ def item_endpoint(runner: ResponseRunner) -> Callable[[Request], Awaitable[Respo
         response_id = request.path_params["response_id"]
         entry = runner.store.get(response_id)
         if entry is None:
-            return _unknown(response_id).response()
+            return unknown_response(response_id).response()
         if request.method == "DELETE":
             runner.store.delete(response_id)
             body: dict[str, Any] = {"id": response_id, "object": "response.deleted", "deleted": True}
@@ -102,7 +102,17 @@ def item_endpoint(runner: ResponseRunner) -> Callable[[Request], Awaitable[Respo
     return endpoint
 
 
-def _unknown(response_id: str) -> APIError:
-    shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
-    err = EngineError(ErrorCode.RESPONSE_NOT_FOUND, f"No response with id '{shown}' is stored (unknown or expired).")
-    return APIError(404, err.message, err.code, "response_id")
+def cancel_endpoint(runner: ResponseRunner) -> Callable[[Request], Awaitable[Response]]:
+    """``POST /v1/responses/{id}/cancel``: stop a response in flight; its ``Response`` object, status ``cancelled``.
+
+    See :meth:`ResponseRunner.cancel` (404 for an unknown id, 400 for a finished one).
+    """
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            body = await runner.cancel(request.path_params["response_id"])
+        except APIError as e:
+            return e.response()
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    return endpoint

@@ -49,6 +49,20 @@ class StoredResponse:
         return self.chain.head == self.response_id and self.chain.state is not SessionState.CLOSED
 
 
+@dataclass(frozen=True, slots=True)
+class ChainView:
+    """What a stored response shows in the block map.
+
+    Attributes:
+        pin_key: the chain's session id (the engine's pin key; never shown to the viewer).
+        num_tokens: show only the blocks of this many leading tokens (an older
+            response of the chain); ``None``: every block of the chain (its newest response).
+    """
+
+    pin_key: str
+    num_tokens: int | None
+
+
 class ResponseStore:
     """Response id -> :class:`StoredResponse`, least recently used first; event-loop only.
 
@@ -84,6 +98,33 @@ class ResponseStore:
         entry.last_active = self._clock()
         self._entries.move_to_end(response_id)
         return entry
+
+    def peek(self, response_id: str) -> StoredResponse | None:
+        """The response if it is stored and not expired, without refreshing it (a viewer keeps nothing alive)."""
+        entry = self._entries.get(response_id)
+        if entry is None or (self.ttl is not None and self._clock() - entry.last_active > self.ttl):
+            return None
+        return entry
+
+    def chain_view(self, response_id: str) -> ChainView | None:
+        """Which blocks the block map shows for ``response_id`` (``/ws/stats?response_id=``).
+
+        The newest response of a live chain names all of the chain's blocks
+        (its pin, or its turn in flight); an older response of a live chain
+        names the blocks that hold its token prefix (the chain only ever
+        appends, so that is the first ``ceil(len(token_ids) / block_size)``
+        blocks). ``None`` for an unknown or expired id and for a response
+        whose chain is gone, alike.
+        """
+        entry = self.peek(response_id)
+        if entry is None or entry.chain.state is SessionState.CLOSED:
+            return None
+        if entry.is_head:
+            return ChainView(entry.chain.session_id, None)
+        n = len(entry.token_ids)
+        if entry.chain.history[:n] != entry.token_ids:
+            return None  # not this chain's prefix (cannot happen while chains only append)
+        return ChainView(entry.chain.session_id, n)
 
     def put(self, entry: StoredResponse) -> None:
         """Keep ``entry`` (the least recently used one goes when at the cap)."""

@@ -94,7 +94,7 @@ def test_a_fork_shares_the_prefix_blocks_and_equals_a_fresh_chain(srv: RunningSe
         assert block_counts(srv)["shared"] > 0  # the fork's full prefix blocks are the chain's (ref count 2)
         fork_id, head_id = fork.response.id, replies[-1].response.id
         stats = {
-            rid: httpx.get(f"{srv.http_url}/api/stats?session_id={rid}", timeout=10).json()
+            rid: httpx.get(f"{srv.http_url}/api/stats?response_id={rid}", timeout=10).json()
             for rid in (fork_id, head_id)
         }
         fork_blocks, head_blocks = (set(stats[rid]["session_blocks"][rid]) for rid in (fork_id, head_id))
