@@ -38,6 +38,10 @@ class HostOffloadMixin:
         """The session's KV lives in the host tier (its next turn restores it)."""
         return session_id in self.host_sessions
 
+    def is_loading(self, session_id: str | None) -> bool:
+        """The session's KV is on its way from disk to the host tier (its turn waits; see ``SessionOffload``)."""
+        return session_id in self.host_sessions.loading
+
     def restore_session(
         self, session_id: str, seq: CacheSeq, max_new_tokens: int, num_reserved_blocks: int = 0
     ) -> int | None:
