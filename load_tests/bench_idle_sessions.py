@@ -53,12 +53,13 @@ from load_tests.common import (
     write_json,
 )
 
-# the issue's workload (tiny model), and one scaled for the real model on a 2-core box (~1-2 min a row
-# there, quiet): a fifth of the conversations, half the turns, the pool still for a tenth of them
+# The issue's workload (tiny model), and one scaled for the real model on a 2-core box: a tenth of the
+# conversations, half the turns, the pool still for a tenth of them, and think time long enough that the
+# engine is not saturated (40 conversations thinking 2 s were: TTFT was queueing, ~1 min, in both modes).
 PRESETS: dict[str, dict[str, Any]] = {
     "issue": {"conversations": 200, "turns": 8, "fits": 20, "host_fits": 200, "user": 32, "output": 16},
-    "real": {"conversations": 40, "turns": 4, "fits": 4, "host_fits": 40, "user": 32, "output": 16, "think": 2.0,
-             "spread": 10.0, "time_limit": 300.0},
+    "real": {"conversations": 20, "turns": 4, "fits": 2, "host_fits": 20, "user": 64, "output": 16, "think": 15.0,
+             "spread": 20.0, "time_limit": 240.0},
 }  # fmt: skip
 
 
