@@ -195,7 +195,7 @@ class EngineCore:
             session_id=session_id,
         )
         if session_id is not None:
-            self.offload.prepare_turn(session_id)  # a session saved on disk comes back to the host tier
+            self.offload.prepare_turn(session_id)  # a session saved on disk starts coming back to the host tier
         seq = Sequence(next(self._seq_ids), req, 0, list(prompt_token_ids), len(prompt_token_ids))
         req.seqs.append(seq)
         self.outputs.add_request(req, sink)
@@ -250,9 +250,11 @@ class EngineCore:
     def step(self) -> bool:
         """Run one engine step; ``False`` when there was nothing to do."""
         t0 = time.perf_counter()
+        self.offload.poll()  # disk reads that have landed go to the host tier, for this step's admission
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_work():
+                self.offload.poll(timeout_s=0.01)  # a turn may wait for its disk read: no busy spin
                 self._observe_progress(0)
             return False
         spilled = self.offload.read_spills(out.spills)  # before the step's copies reuse their host blocks

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -122,6 +124,93 @@ def test_disk_round_trip_is_bitwise_and_greedy_equal(tiny, reference, tmp_path):
     assert not entry.path.exists()  # the KV lives on device again
     _release_all(llm, "a", "b", "c")
     core.close()
+
+
+def _spill_a_to_disk(llm: LLM) -> list[int]:
+    """Session a on disk (its file written), b and c in the host tier; returns a's KV tokens."""
+    turn(llm, P_A, "a")
+    tokens, _ = _kv_of_pin(llm, "a")
+    turn(llm, P_B, "b")  # a -> host
+    turn(llm, P_C, "c")  # b -> host, which spills a to disk
+    llm.core.step()
+    assert llm.core.offload.disk is not None and "a" in llm.core.offload.disk.entries
+    llm.core.offload.disk.flush()  # the write is done: a's next turn reads the file
+    return tokens
+
+
+class _Collect:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.cached: int | None = None
+        self.done = False
+
+    def __call__(self, out) -> None:  # type: ignore[no-untyped-def]
+        for d in out.deltas:
+            self.tokens.extend(d.token_ids)
+        self.cached = out.num_cached_tokens if out.num_cached_tokens is not None else self.cached
+        self.done = out.finished
+
+
+def test_disk_read_runs_while_the_engine_steps(tiny, reference, tmp_path, monkeypatch):
+    """A turn whose KV is on disk waits for its read off the engine thread; other requests keep stepping."""
+    _, history, t2_ref = reference
+    llm = make_llm(tiny, swap_space=4 * kv_bytes_per_block(tiny, 16), kv_offload_dir=str(tmp_path), **POOL)
+    core = llm.core
+    tokens = _spill_a_to_disk(llm)
+    gate = threading.Event()
+    real_read = disk_tier.read_kv_file
+
+    def slow_read(*args, **kwargs):  # type: ignore[no-untyped-def]
+        assert gate.wait(10.0), "the test never opened the gate"
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(disk_tier, "read_kv_file", slow_read)
+    core.kv.pool.evict_all_cached()
+    a, other = _Collect(), _Collect()
+    core.add_request("a2", history + NEXT, greedy(8), a, session_id="a")
+    core.add_request("x", P_B[:20], greedy(8), other)
+    for _ in range(40):  # bounded: the other request needs 9 steps or so
+        core.step()
+        if other.done:
+            break
+    assert other.done and len(other.tokens) == 8, "a disk read held up the other request"
+    assert core.kv.is_loading("a") and not a.tokens  # still waiting for its KV
+    gate.set()
+    deadline = time.monotonic() + 20
+    while not a.done and time.monotonic() < deadline:
+        core.step()
+    assert a.tokens == t2_ref and a.cached == len(tokens)  # restored from disk, not recomputed
+    assert core.offload.times.disk_reads == 1 and not core.kv.is_loading("a")
+    _release_all(llm, "a", "b", "c")
+    core.close()
+
+
+def test_release_during_a_disk_read_drops_what_it_brings(tiny, reference, tmp_path, monkeypatch):
+    _, history, _ = reference
+    llm = make_llm(tiny, swap_space=4 * kv_bytes_per_block(tiny, 16), kv_offload_dir=str(tmp_path), **POOL)
+    core = llm.core
+    _spill_a_to_disk(llm)
+    gate = threading.Event()
+    real_read = disk_tier.read_kv_file
+
+    def slow_read(*args, **kwargs):  # type: ignore[no-untyped-def]
+        assert gate.wait(10.0)
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(disk_tier, "read_kv_file", slow_read)
+    a = _Collect()
+    core.add_request("a2", history + NEXT, greedy(4), a, session_id="a")
+    core.step()
+    assert core.kv.is_loading("a")
+    core.abort("a2")
+    core.release_session("a")
+    assert not core.kv.is_loading("a")
+    gate.set()
+    core.offload.poll(timeout_s=10.0)
+    assert not core.kv.is_offloaded("a") and "a" not in core.kv.sessions  # the read landed and was dropped
+    _release_all(llm, "b", "c")
+    core.close()
+    assert not list(tmp_path.glob("*.kv"))  # the read deleted a's file; b and c were released
 
 
 def test_restart_resumes_with_cached_tokens(tiny, reference, tmp_path):

@@ -4,14 +4,15 @@ One file per session (:mod:`streamkv.cache.kv_file`), named by a hash of the
 session id and the fingerprint, holding the fingerprint of what produced the KV. Writes and deletes
 run on one background thread fed by a bounded queue (the engine thread waits
 only when the queue is full); reads (a session's next turn, once per
-restore) run on the engine thread. Faults cost the session its saved KV and
+restore) and their CRC-32 check run on a reader thread
+(:meth:`DiskTier.take_async`), so a step never waits for the disk. Faults cost the session its saved KV and
 nothing else: a full disk, a read-only directory, a truncated or corrupt
 file, a file of another model or cache layout give one log line (per kind of
 fault), a counted error, and the turn recomputes.
 
 The index (which sessions are on disk, LRU first) belongs to the engine
-thread; the writer thread shares only the pending writes and the failures,
-under a lock.
+thread; the writer and reader threads share only the pending writes, the
+failures and the counters, under a lock.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,8 @@ from streamkv.cache.kv_file import KVFileError, read_kv_file, read_kv_header, wr
 logger = logging.getLogger(__name__)
 
 _SUFFIX = ".kv"
+
+Saved = tuple[list[int], list[int], list[list[torch.Tensor]]]  # (token_ids, history_tail, data) of a session
 
 
 def kv_fingerprint(
@@ -136,6 +140,7 @@ class DiskTier:
         self._queue: queue.Queue[_Write | Path | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="streamkv-kv-offload", daemon=True)
         self._thread.start()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamkv-kv-read")
 
     # ----------------------------------------------------------- engine thread
 
@@ -166,11 +171,12 @@ class DiskTier:
         self._queue.put(entry.write)
         return True
 
-    def take(self, session_id: str) -> tuple[list[int], list[int], list[list[torch.Tensor]]] | None:
-        """Remove a session from the tier and return ``(token_ids, history_tail, data)``, or ``None``.
+    def take_async(self, session_id: str) -> Future[Saved | None] | None:
+        """Start taking a session back; ``None`` when it is not here, else a future of :meth:`take`'s result.
 
-        ``None`` when the session is not here or its file cannot be used
-        (logged once per kind, counted; the caller recomputes).
+        The index changes at once (engine thread); the file is read and its
+        CRC-32 checked on the reader thread, so the engine keeps stepping. A
+        session whose write is still queued comes back at once, from memory.
         """
         self._reap()
         entry = self.entries.pop(session_id, None)
@@ -179,24 +185,21 @@ class DiskTier:
         self.num_bytes -= entry.num_bytes
         with self._lock:
             write, entry.write = entry.write, None
-        if write is not None:  # still queued or being written: the writer deletes what it wrote
-            self._count_restore(entry.num_blocks)
-            return entry.token_ids, entry.history_tail, write.data
-        t0 = time.perf_counter()
-        try:
-            header, data = read_kv_file(entry.path, self.fingerprint)
-            if header.session_id != session_id:
-                raise KVFileError(f"{entry.path.name}: holds another session")
-        except (KVFileError, OSError) as e:
-            self._fault("read", f"saved KV of a session not usable, it recomputes: {e}")
-            self._delete(entry.path)
-            return None
-        with self._lock:
-            self._c["read"] += header.payload_bytes
-        logger.debug("read %d KV blocks from disk in %.1f ms", header.num_blocks, 1e3 * (time.perf_counter() - t0))
-        self._count_restore(header.num_blocks)
-        self._delete(entry.path)
-        return header.token_ids, header.history_tail, data
+        if write is None:
+            return self._reader.submit(self._read, entry)
+        done: Future[Saved | None] = Future()  # still queued or being written: the writer deletes what it wrote
+        self._count_restore(entry.num_blocks)
+        done.set_result((entry.token_ids, entry.history_tail, write.data))
+        return done
+
+    def take(self, session_id: str) -> Saved | None:
+        """Remove a session from the tier and return ``(token_ids, history_tail, data)``, or ``None``.
+
+        ``None`` when the session is not here or its file cannot be used
+        (logged once per kind, counted; the caller recomputes). Waits for the read.
+        """
+        future = self.take_async(session_id)
+        return None if future is None else future.result()
 
     def discard(self, session_id: str) -> None:
         """Forget a session and delete its file (the session is gone, or superseded)."""
@@ -229,7 +232,8 @@ class DiskTier:
         self._queue.join()
 
     def close(self) -> None:
-        """Finish the queued work and stop the writer thread (idempotent)."""
+        """Finish the queued reads and writes, stop the reader and writer threads (idempotent)."""
+        self._reader.shutdown(wait=True)  # a read queues its file's deletion for the writer
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
@@ -329,6 +333,24 @@ class DiskTier:
                 self._fault("delete", f"cannot delete a session file ({e})")
             finally:
                 self._queue.task_done()
+
+    def _read(self, entry: DiskEntry) -> Saved | None:
+        """Reader thread: read and check a session file, then queue its deletion; ``None`` if unusable."""
+        t0 = time.perf_counter()
+        try:
+            header, data = read_kv_file(entry.path, self.fingerprint)
+            if header.session_id != entry.session_id:
+                raise KVFileError(f"{entry.path.name}: holds another session")
+        except (KVFileError, OSError) as e:
+            self._fault("read", f"saved KV of a session not usable, it recomputes: {e}")
+            self._delete(entry.path)
+            return None
+        with self._lock:
+            self._c["read"] += header.payload_bytes
+        logger.debug("read %d KV blocks from disk in %.1f ms", header.num_blocks, 1e3 * (time.perf_counter() - t0))
+        self._count_restore(header.num_blocks)
+        self._delete(entry.path)
+        return header.token_ids, header.history_tail, data
 
     def _write(self, w: _Write) -> None:
         e = w.entry

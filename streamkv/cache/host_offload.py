@@ -5,6 +5,17 @@ out to keep that module small); it reads the manager's pool, pins, host
 tier and pending copies, declared below. See :mod:`streamkv.cache.host_tier`
 for the policy and :class:`streamkv.sched.output.SchedulerOutput` for the
 order the runner applies the copies in.
+
+What a transfer costs. On CUDA the runner issues the swaps on a side stream
+that the forward waits for. On the CPU there is nothing to overlap with: the
+copies run on the engine thread at the start of the step, and every
+sequence of that step waits for them. They stay synchronous because they
+are cheap next to what they save: a 60-block SmolLM2-135M fp32 session
+(42 MiB) moves in 9-20 ms on this 2-core box (loaded; see
+:mod:`streamkv.cache.block_copy`), where recomputing its ~960-token history
+takes seconds (~400 prefill tokens/s). The slow part of a disk restore, the
+file read and its CRC-32, runs off the engine thread
+(:mod:`streamkv.cache.offload`).
 """
 
 from __future__ import annotations
@@ -37,6 +48,10 @@ class HostOffloadMixin:
     def is_offloaded(self, session_id: str) -> bool:
         """The session's KV lives in the host tier (its next turn restores it)."""
         return session_id in self.host_sessions
+
+    def is_loading(self, session_id: str | None) -> bool:
+        """The session's KV is on its way from disk to the host tier (its turn waits; see ``SessionOffload``)."""
+        return session_id in self.host_sessions.loading
 
     def restore_session(
         self, session_id: str, seq: CacheSeq, max_new_tokens: int, num_reserved_blocks: int = 0

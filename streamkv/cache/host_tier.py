@@ -81,6 +81,7 @@ class HostTier:
     sessions: OrderedDict[str, HostSession] = field(default_factory=OrderedDict)
     num_blocks: int = 0  # host blocks held by sessions
     counters: OffloadCounters = field(default_factory=OffloadCounters)
+    loading: set[str] = field(default_factory=set)  # sessions whose KV is being read from disk
     _spills: list[SpillJob] = field(default_factory=list)
     _fresh: set[str] = field(default_factory=set)  # offloaded this step: copy not applied yet
 

@@ -6,16 +6,18 @@ class does what needs tensors or files, on the engine thread:
 - a step's spill jobs (host sessions evicted to disk): their host blocks
   are read before the step's copies (:meth:`SessionOffload.read_spills`),
   then queued for the disk tier's writer thread (:meth:`write_spills`);
-- a new turn of a session that lives on disk: its file is read
-  synchronously, checked, and its KV written into host blocks, so the
-  scheduler's admission restores it like any host session
-  (:meth:`prepare_turn`);
+- a new turn of a session that lives on disk: its file is read and
+  checked on the disk tier's reader thread (:meth:`prepare_turn`) while the
+  scheduler keeps the turn waiting and the steps go on; the step after the
+  read lands writes the KV into host blocks (:meth:`poll`), and admission
+  restores it like any host session;
 - shutdown: every pinned and host session is saved (:meth:`save_all`), and
   a restart lists them (:meth:`saved_sessions`).
 
-Cost on the engine thread: a spill is one host-tensor gather (memcpy); a
-disk restore is one file read plus a CRC-32 (``load_tests/
-bench_idle_sessions.py`` reports both per session).
+Cost on the engine thread: a spill is one host-tensor gather, a disk
+restore one host-tensor scatter (memcpy-speed copies, see
+:mod:`streamkv.cache.block_copy`: a few ms for a 17 MiB SmolLM2 session); the
+file read and its CRC-32 (tens to hundreds of ms) are off it.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from streamkv.cache.cache_stats import OffloadStats
-from streamkv.cache.disk_tier import DiskTier
+from streamkv.cache.disk_tier import DiskTier, Saved
 from streamkv.cache.host_tier import SpillJob
 from streamkv.cache.kv_cache_manager import KVCacheManager
 
@@ -48,11 +51,21 @@ class BlockMover(Protocol):
 
 @dataclass(slots=True)
 class TransferTimes:
-    """Engine-thread seconds spent on disk-tier work (monotonic)."""
+    """Seconds spent on disk-tier work (monotonic)."""
 
-    spill_s: float = 0.0  # gathering spilled host blocks
-    disk_read_s: float = 0.0  # reading, checking and placing a session file
+    spill_s: float = 0.0  # engine thread: gathering spilled host blocks
+    disk_read_s: float = 0.0  # reader thread: from a read's start to the poll that saw it done
+    disk_place_s: float = 0.0  # engine thread: placing read sessions into host blocks
     disk_reads: int = 0
+
+
+@dataclass(slots=True)
+class _Load:
+    """A session's disk read in flight."""
+
+    future: Future[Saved | None]
+    started: float = field(default_factory=time.perf_counter)
+    released: bool = False  # the session was released meanwhile: drop what the read brings
 
 
 class SessionOffload:
@@ -71,6 +84,7 @@ class SessionOffload:
         self.disk = disk
         self.block_bytes = block_bytes
         self.times = TransferTimes()
+        self._loads: dict[str, _Load] = {}  # disk reads in flight, by session
 
     def read_spills(self, spills: Iterable[SpillJob]) -> list[list[list[torch.Tensor]]]:
         """Copies of the spilled sessions' host blocks; call before the step's copies."""
@@ -88,9 +102,13 @@ class SessionOffload:
             self.disk.put(s.session_id, s.token_ids, s.history_tail, blocks)
 
     def prepare_turn(self, session_id: str) -> None:
-        """Before a session's turn is queued: bring its KV from disk to the host tier if it is there.
+        """Before a session's turn is queued: start bringing its KV from disk if it is there.
 
-        Nothing happens when the session is pinned or host-resident. A file
+        Nothing happens when the session is pinned or host-resident. A disk
+        read runs on the disk tier's reader thread; until :meth:`poll` places
+        it in the host tier the session is *loading*
+        (:meth:`~streamkv.cache.host_offload.HostOffloadMixin.is_loading`) and
+        the scheduler keeps its turn waiting, while the step goes on. A file
         that cannot be used, or a host tier too small for it, means the turn
         recomputes (logged by the disk tier, or at debug level here).
         """
@@ -100,11 +118,41 @@ class SessionOffload:
         if kv.is_offloaded(session_id):
             kv.host_sessions.touch(session_id)
             return
-        t0 = time.perf_counter()
-        saved = self.disk.take(session_id)
-        if saved is None:
+        load = self._loads.get(session_id)
+        if load is None:
+            future = self.disk.take_async(session_id)
+            if future is None:
+                return
+            self._loads[session_id] = load = _Load(future)
+        load.released = False
+        kv.host_sessions.loading.add(session_id)
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Place the disk reads that have finished into the host tier (engine thread, before ``schedule``).
+
+        ``timeout_s``: wait up to this long for one to finish (an engine with
+        nothing else to do), instead of spinning.
+        """
+        if not self._loads:
             return
-        token_ids, history_tail, data = saved
+        if timeout_s > 0:
+            wait([load.future for load in self._loads.values()], timeout_s, FIRST_COMPLETED)
+        for session_id, load in list(self._loads.items()):
+            if not load.future.done():
+                continue
+            del self._loads[session_id]
+            self.kv.host_sessions.loading.discard(session_id)
+            saved = load.future.result()
+            self.times.disk_read_s += time.perf_counter() - load.started
+            self.times.disk_reads += 1
+            if saved is not None and not load.released:
+                t0 = time.perf_counter()
+                self._place(session_id, *saved)
+                self.times.disk_place_s += time.perf_counter() - t0
+
+    def _place(self, session_id: str, token_ids: list[int], history_tail: list[int],
+               data: list[list[torch.Tensor]]) -> None:  # fmt: skip
+        kv = self.kv
         host_ids = kv.admit_host_session(session_id, token_ids, history_tail)
         evicted = kv.host_sessions.take_spills()  # sessions it pushed to disk: read before overwriting
         self.write_spills(evicted, self.read_spills(evicted))
@@ -116,13 +164,15 @@ class SessionOffload:
         except ValueError as e:  # another layout slipped past the fingerprint: never use it
             logger.warning("saved KV does not fit this cache (%s): the session recomputes", e)
             kv.release_session(session_id)
-        self.times.disk_read_s += time.perf_counter() - t0
-        self.times.disk_reads += 1
 
     def release(self, session_id: str) -> None:
-        """The session is gone: forget its saved KV too."""
+        """The session is gone: forget its saved KV too (a read in flight is dropped when it lands)."""
         if self.disk is not None:
             self.disk.discard(session_id)
+        load = self._loads.get(session_id)
+        if load is not None:
+            load.released = True
+            self.kv.host_sessions.loading.discard(session_id)
 
     def saved_sessions(self) -> list[tuple[str, list[int]]]:
         """``(session_id, history)`` of the sessions the disk tier held at start (restart)."""
@@ -135,6 +185,8 @@ class SessionOffload:
         """Shutdown: save every pinned and host session to disk, wait for the writes; returns how many."""
         if self.disk is None:
             return 0
+        while self._loads:  # reads in flight land in the host tier first, and are saved with it
+            self.poll(timeout_s=1.0)
         kv = self.kv
         n = 0
         for pin in list(kv.sessions.values()):

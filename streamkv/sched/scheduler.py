@@ -296,14 +296,18 @@ class Scheduler:
 
     def _admit_waiting(self, chosen: dict[int, int], by_id: dict[int, Sequence], budget: int) -> None:
         while self.waiting and budget > 0 and len(chosen) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            # a turn whose session KV is still being read from disk is passed over until it lands
+            seq = next((s for s in self.waiting if not (s.index == 0 and self.kv.is_loading(s.request.session_id))),
+                       None)  # fmt: skip
+            if seq is None:
+                return
             admitted = self._try_admit(seq, budget)
             if admitted is None:
                 if self.kv.unpin_lru():
                     continue
                 return  # head of line waits for room, holding nothing; it never preempts
             num_pinned, num_hit_tokens, n = admitted
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if seq.index == 0 and seq.num_preemptions == 0:
                 seq.request.num_cached_tokens = num_pinned + num_hit_tokens
             # tokens reused from a session pin count as cache hits too: what users
