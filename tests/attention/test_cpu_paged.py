@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from tests.attention.test_torch_paged import Case, cases, run_case
+from tests.test_kv_quant import run_step
 
 cpu_paged = pytest.importorskip("streamkv.attention.cpu_paged")
 if not cpu_paged.cpu_ops_available():
@@ -89,3 +90,73 @@ def test_kernel_rejects_bad_inputs_clearly() -> None:
 @given(case=cases())
 def test_random_batches_match_reference(case: Case, head_dim: int) -> None:
     compare(case, head_dim=head_dim)
+
+
+# --- prefill and chunk rows (paged_prefill) -----------------------------------
+
+PREFILL_DTYPES = [  # (KV cache dtype name, query dtype, tolerance against the torch path)
+    ("float32", torch.float32, 1e-5),
+    ("bfloat16", torch.bfloat16, 3e-2),
+    ("bfloat16", torch.float32, 1e-5),
+    ("int8", torch.float32, 1e-5),
+    ("fp8_e4m3", torch.float32, 1e-5),
+    ("int8", torch.bfloat16, 3e-2),
+]
+
+
+def compare_step(
+    name: str, dtype: torch.dtype, tol: float, query_lens: list[int], seq_lens: list[int], **shape: int
+) -> None:
+    """Both backends on the same poisoned pool (``run_step``: shuffled blocks, 0xFF / NaN in every unowned slot)."""
+    ref, ref_cache = run_step(name, TorchPagedAttention(), query_lens, seq_lens, dtype=dtype, **shape)
+    out, cache = run_step(name, cpu_paged.CpuPagedAttention(), query_lens, seq_lens, dtype=dtype, **shape)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=0)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])  # GQA G = 3 and G = 1
+@pytest.mark.parametrize("head_dim", [64, 12])  # the AVX-512 kernel and the portable one
+def test_chunks_over_cached_context_match_the_torch_path(
+    name: str, dtype: torch.dtype, tol: float, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    # Chunks of 2..70 rows over contexts of 1..~300, crossing block edges, mixed with decode rows.
+    query_lens = [2, 1, 70, 17, 1, 33, 5, 44]
+    seq_lens = [2, 40, 300, 17, 1, 48, 261, 100]
+    shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    compare_step(name, dtype, tol, query_lens, seq_lens, **shape, seed=7)
+
+
+@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES[:2])
+def test_chunk_lengths_and_offsets_across_block_edges(name: str, dtype: torch.dtype, tol: float) -> None:
+    # Every chunk length 2..20 at context offsets on, before and after a block edge; small blocks too.
+    for q_len in range(2, 21):
+        for ctx in (0, 15, 16, 17, 63):
+            compare_step(name, dtype, tol, [q_len, 1], [ctx + q_len, ctx + 1], seed=q_len * 100 + ctx)
+    compare_step(name, dtype, tol, [9, 30, 1], [31, 30, 5], block_size=4, seed=3)
+
+
+def test_only_one_sequence_with_a_long_chunk() -> None:
+    # A single chunk: tiles of query rows keep both threads busy; 128-wide heads (register block of 2).
+    compare_step("float32", torch.float32, 1e-5, [64], [700], num_heads=8, num_kv_heads=2, head_dim=128)
+
+
+def test_prefill_op_rejects_bad_inputs_clearly() -> None:
+    ops = cpu_paged.load_cpu_ops()
+    kv = torch.zeros(2, 4, 4, 1, 8)
+    q = torch.zeros(3, 2, 8)
+    tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    starts = torch.tensor([0, 3], dtype=torch.int32)
+    ops.paged_prefill(torch.empty_like(q), q, kv, tables, lens, starts, 1.0)  # the valid call
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.paged_prefill(torch.empty_like(q), q, kv, tables, lens, starts.long(), 1.0)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.paged_prefill(torch.empty_like(q), q, kv, tables + 3, lens, starts, 1.0)
+    with pytest.raises(RuntimeError, match="too short"):
+        ops.paged_prefill(torch.empty_like(q), q, kv, tables, torch.tensor([9], dtype=torch.int32), starts, 1.0)
+    with pytest.raises(RuntimeError, match="query length"):
+        ops.paged_prefill(torch.empty_like(q), q, kv, tables, torch.tensor([2], dtype=torch.int32), starts, 1.0)
+    with pytest.raises(RuntimeError, match="0 to T"):
+        ops.paged_prefill(torch.empty_like(q), q, kv, tables, lens, torch.tensor([0, 2], dtype=torch.int32), 1.0)
