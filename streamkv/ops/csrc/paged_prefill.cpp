@@ -132,16 +132,84 @@ void prefill_generic(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks,
 }
 
 #if defined(__AVX512F__)
-// The same contract for head_dim == 16 * C, R query vectors per register block.
+constexpr int64_t KEYS = 64;  // keys per tile: KC zmm of scores per query vector
+constexpr int KC = KEYS / 16;
+
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// r[i] (16 lanes of row i) -> r[d] (lane i = row i's element d): 4 rounds of in-lane and cross-lane shuffles.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m512 u[16];
+  for (int i = 0; i < 4; ++i) {  // rows 4i .. 4i+3: u[4i + k] holds their columns k, k+4, k+8, k+12
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  __m512 v[16];
+  for (int k = 0; k < 4; ++k) {  // 128-bit lanes: rows 0-7 (v[k], v[k+4]) and rows 8-15 (v[k+8], v[k+12])
+    v[k] = _mm512_shuffle_f32x4(u[k], u[k + 4], 0x88);
+    v[k + 4] = _mm512_shuffle_f32x4(u[k], u[k + 4], 0xdd);
+    v[k + 8] = _mm512_shuffle_f32x4(u[k + 8], u[k + 12], 0x88);
+    v[k + 12] = _mm512_shuffle_f32x4(u[k + 8], u[k + 12], 0xdd);
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_f32x4(v[k], v[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_f32x4(v[k], v[k + 8], 0xdd);
+  }
+}
+
+// Keys k0 .. k0+n-1 (n <= KEYS) of sequence b, KV head h, as fp32: kt [D][KEYS] transposed (zeros past n),
+// vb [KEYS][D] each row times its scale (rows past n left as they are: never read), kscale [KEYS].
+template <int C, typename q_t, typename kv_t>
+inline void load_tile(const Layout<q_t, kv_t>& L, int64_t b, int64_t h, int64_t k0, int64_t n,
+                      float* __restrict kt, float* __restrict vb, float* __restrict kscale) {
+  constexpr int64_t D = 16 * C;
+  const kv_t* keys[KEYS];
+  for (int64_t j = 0; j < n; ++j) {
+    keys[j] = L.key(b, h, k0 + j);
+    kscale[j] = row_scale(keys[j], D);
+    const kv_t* v = keys[j] + L.v_offset;
+    const __m512 vs = _mm512_set1_ps(row_scale(v, D));
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(vb + j * D + 16 * c, _mm512_mul_ps(load16(v + 16 * c), vs));
+  }
+  for (int64_t j = n; j < KEYS; ++j) kscale[j] = 1.f;
+  for (int64_t j0 = 0; j0 < KEYS; j0 += 16) {
+    for (int c = 0; c < C; ++c) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = j0 + i < n ? load16(keys[j0 + i] + 16 * c) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int d = 0; d < 16; ++d) _mm512_storeu_ps(kt + (16 * c + d) * KEYS + j0, r[d]);
+    }
+  }
+}
+
+// The same contract for head_dim == 16 * C; R query vectors per register block.
 template <int C, int R, typename q_t, typename kv_t>
 void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, int64_t max_rows, float scale) {
   constexpr int64_t D = 16 * C;
   const int64_t max_vectors = (max_rows * L.group + R - 1) / R * R;
   run_tasks(tasks, [&](const Task& t) {
-    thread_local std::vector<float> q, acc, maxes, sums, kt, vb;
-    thread_local std::vector<int64_t> pos;
-    q.resize(max_vectors * D), acc.resize(max_vectors * D), maxes.resize(max_vectors), sums.resize(max_vectors);
-    pos.resize(max_vectors), kt.resize(D * 16), vb.resize(16 * D);
+    thread_local std::vector<float> q_buf, acc_buf, max_buf, sum_buf, kt_buf, vb_buf;
+    thread_local std::vector<int64_t> pos_buf;
+    q_buf.resize(max_vectors * D), acc_buf.resize(max_vectors * D), max_buf.resize(max_vectors);
+    sum_buf.resize(max_vectors), pos_buf.resize(max_vectors), kt_buf.resize(D * KEYS), vb_buf.resize(KEYS * D);
+    float* __restrict q = q_buf.data();
+    float* __restrict acc = acc_buf.data();
+    float* __restrict maxes = max_buf.data();
+    float* __restrict sums = sum_buf.data();
+    float* __restrict kt = kt_buf.data();
+    float* __restrict vb = vb_buf.data();
+    int64_t* __restrict pos = pos_buf.data();
     const int64_t start = L.starts[t.seq];
     const int64_t ctx0 = L.seq_lens[t.seq] - (L.starts[t.seq + 1] - start);
     const int64_t vectors = t.rows * L.group;
@@ -150,83 +218,86 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
     for (int64_t m = 0; m < padded; ++m) {
       const int64_t r = std::min(m, vectors - 1) / L.group;
       pos[m] = ctx0 + t.row0 + r;
-      float* dst = &q[m * D];
+      float* dst = q + m * D;
       if (m < vectors) {
         const q_t* src = L.query_row(start + t.row0 + r, t.kv_head * L.group + m % L.group);
         for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * scale;
       } else {
         std::fill(dst, dst + D, 0.f);
       }
-      std::fill(&acc[m * D], &acc[m * D] + D, 0.f);
+      std::fill(acc + m * D, acc + m * D + D, 0.f);
       maxes[m] = -std::numeric_limits<float>::infinity();
       sums[m] = 0.f;
     }
     const int64_t last = pos[padded - 1];
-    for (int64_t k0 = 0; k0 <= last; k0 += 16) {
-      const int64_t n = std::min<int64_t>(16, last + 1 - k0);  // keys of this tile any vector may see
-      alignas(64) float kscale[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        if (j >= n) {  // beyond the tile's last position: zeros, the slots are never read
-          for (int64_t d = 0; d < D; ++d) kt[d * 16 + j] = 0.f;
-          std::fill(&vb[j * D], &vb[j * D] + D, 0.f);
-          kscale[j] = 1.f;
-          continue;
-        }
-        const kv_t* k = L.key(t.seq, t.kv_head, k0 + j);
-        const kv_t* v = k + L.v_offset;
-        kscale[j] = row_scale(k, D);
-        const __m512 vs = _mm512_set1_ps(row_scale(v, D));
-        for (int c = 0; c < C; ++c) {
-          alignas(64) float lanes[16];
-          _mm512_store_ps(lanes, load16(k + 16 * c));
-          for (int i = 0; i < 16; ++i) kt[(16 * c + i) * 16 + j] = lanes[i];
-          _mm512_storeu_ps(&vb[j * D + 16 * c], _mm512_mul_ps(load16(v + 16 * c), vs));
-        }
-      }
-      const __m512 ks = _mm512_load_ps(kscale);
+    alignas(64) float kscale[KEYS];
+    for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
+      const int64_t n = std::min<int64_t>(KEYS, last + 1 - k0);  // keys of this tile any vector may see
+      load_tile<C>(L, t.seq, t.kv_head, k0, n, kt, vb, kscale);
       for (int64_t m0 = 0; m0 < padded; m0 += R) {
         if (pos[m0 + R - 1] < k0) continue;  // the whole group sits above this tile's diagonal
-        __m512 s[R];
-        for (int i = 0; i < R; ++i) s[i] = _mm512_setzero_ps();
+        __m512 s[R][KC];
+        for (int i = 0; i < R; ++i)
+          for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; ++d) {
-          const __m512 kd = _mm512_loadu_ps(&kt[d * 16]);
-          for (int i = 0; i < R; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[(m0 + i) * D + d]), kd, s[i]);
+          __m512 kd[KC];
+          for (int kc = 0; kc < KC; ++kc) kd[kc] = _mm512_loadu_ps(kt + d * KEYS + 16 * kc);
+          for (int i = 0; i < R; ++i) {
+            const __m512 qd = _mm512_set1_ps(q[(m0 + i) * D + d]);
+            for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_fmadd_ps(qd, kd[kc], s[i][kc]);
+          }
         }
-        alignas(64) float p[R][16];
-        float alpha[R];
+        alignas(64) float p[R][KEYS];
+        alignas(64) float m_old[16], m_new[16];
+        float tile_sum[R] = {};
         for (int i = 0; i < R; ++i) {
           const int64_t visible = std::min<int64_t>(n, pos[m0 + i] - k0 + 1);
-          if (visible <= 0) {
-            alpha[i] = 1.f;
-            _mm512_store_ps(p[i], _mm512_setzero_ps());
+          m_old[i] = m_new[i] = maxes[m0 + i];
+          if (visible <= 0) {  // the vector sees none of this tile: p = 0, alpha = e^0
+            for (int kc = 0; kc < KC; ++kc) _mm512_store_ps(p[i] + 16 * kc, _mm512_setzero_ps());
             continue;
           }
-          const __mmask16 live = visible >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
-          if constexpr (is_quantized<kv_t>) s[i] = _mm512_mul_ps(s[i], ks);
-          const float tile_max = _mm512_mask_reduce_max_ps(live, s[i]);
-          const float m_old = maxes[m0 + i];
-          const float m_new = std::max(m_old, tile_max);
-          alpha[i] = std::exp(m_old - m_new);  // 0 on the first tile (m_old = -inf)
-          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s[i], _mm512_set1_ps(m_new))));
-          sums[m0 + i] = sums[m0 + i] * alpha[i] + _mm512_reduce_add_ps(e);
-          maxes[m0 + i] = m_new;
-          _mm512_store_ps(p[i], e);
+          __mmask16 live[KC];
+          __m512 tile_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          for (int kc = 0; kc < KC; ++kc) {
+            live[kc] = lanes_below(visible - 16 * kc);
+            if constexpr (is_quantized<kv_t>) s[i][kc] = _mm512_mul_ps(s[i][kc], _mm512_load_ps(kscale + 16 * kc));
+            tile_max = _mm512_mask_max_ps(tile_max, live[kc], tile_max, s[i][kc]);
+          }
+          m_new[i] = std::max(m_old[i], _mm512_reduce_max_ps(tile_max));
+          const __m512 mv = _mm512_set1_ps(m_new[i]);
+          __m512 sum = _mm512_setzero_ps();
+          for (int kc = 0; kc < KC; ++kc) {
+            const __m512 e = _mm512_maskz_mov_ps(live[kc], exp16(_mm512_sub_ps(s[i][kc], mv)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_store_ps(p[i] + 16 * kc, e);
+          }
+          tile_sum[i] = _mm512_reduce_add_ps(sum);
+          maxes[m0 + i] = m_new[i];
         }
+        // alpha_i = e^(m_old - m_new): 1 while the max holds, 0 on the first tile (m_old = -inf).
+        const __mmask16 group_lanes = static_cast<__mmask16>((1u << R) - 1);
+        alignas(64) float alpha[16];
+        const __m512 diff = _mm512_sub_ps(_mm512_maskz_load_ps(group_lanes, m_old), _mm512_maskz_load_ps(group_lanes, m_new));
+        _mm512_store_ps(alpha, exp16(diff));
+        for (int i = 0; i < R; ++i)
+          if (m_old[i] == -std::numeric_limits<float>::infinity()) alpha[i] = 0.f;
+        for (int i = 0; i < R; ++i) sums[m0 + i] = sums[m0 + i] * alpha[i] + tile_sum[i];
         __m512 a[R][C];
         for (int i = 0; i < R; ++i) {
           const __m512 al = _mm512_set1_ps(alpha[i]);
-          for (int c = 0; c < C; ++c) a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(&acc[(m0 + i) * D + 16 * c]), al);
+          for (int c = 0; c < C; ++c) a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (m0 + i) * D + 16 * c), al);
         }
         for (int64_t j = 0; j < n; ++j) {
           __m512 v[C];
-          for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(&vb[j * D + 16 * c]);
+          for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vb + j * D + 16 * c);
           for (int i = 0; i < R; ++i) {
             const __m512 w = _mm512_set1_ps(p[i][j]);
             for (int c = 0; c < C; ++c) a[i][c] = _mm512_fmadd_ps(w, v[c], a[i][c]);
           }
         }
         for (int i = 0; i < R; ++i)
-          for (int c = 0; c < C; ++c) _mm512_storeu_ps(&acc[(m0 + i) * D + 16 * c], a[i][c]);
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (m0 + i) * D + 16 * c, a[i][c]);
       }
     }
     for (int64_t m = 0; m < vectors; ++m) {
@@ -258,8 +329,10 @@ std::vector<Task> make_tasks(const int32_t* starts, const int32_t* lens, int64_t
     const int64_t q_len = starts[b + 1] - starts[b];
     if (q_len <= 1) continue;
     const int64_t ctx0 = lens[b] - q_len;
-    for (int64_t r0 = 0; r0 < q_len; r0 += tile) {
-      const int64_t rows = std::min(tile, q_len - r0);
+    const int64_t num_tiles = (q_len + tile - 1) / tile;
+    const int64_t even = (q_len + num_tiles - 1) / num_tiles;  // 44 rows in tiles of 32: 22 + 22, not 32 + 12
+    for (int64_t r0 = 0; r0 < q_len; r0 += even) {
+      const int64_t rows = std::min(even, q_len - r0);
       *max_rows = std::max(*max_rows, rows);
       for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({b, h, r0, rows, (ctx0 + r0 + rows) * rows});
     }
