@@ -81,9 +81,7 @@ class CpuPagedAttention(TorchPagedAttention):
         decode_seqs = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
         if decode_seqs:
             self._decode_subset(out, query, kv_cache, meta, decode_seqs, scale)
-        self._ops.paged_prefill(
-            out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
-        )
+        self._ops.paged_prefill(out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
         return out
 
     def decode(

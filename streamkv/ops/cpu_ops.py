@@ -57,7 +57,8 @@ def load_cpu_ops() -> ModuleType | None:
     The result is cached for the process, so a failed build is tried (and
     logged) once.
     """
-    return _build(EXTENSION_NAME, SOURCES, build_directory() / _source_digest(SOURCES + HEADERS), "the torch attention path")
+    folder = build_directory() / _source_digest(SOURCES + HEADERS)
+    return _build(EXTENSION_NAME, SOURCES, folder, "the torch attention path")
 
 
 @functools.cache
