@@ -193,8 +193,43 @@ inline void load_tile(const Layout<q_t, kv_t>& L, int64_t b, int64_t h, int64_t 
   }
 }
 
-// The same contract for head_dim == 16 * C; R query vectors per register block.
-template <int C, int R, typename q_t, typename kv_t>
+#if defined(__AVX512BF16__)
+// The bf16 dot-product layout of the same tile (bf16 K and V, vdpbf16ps): one dword = two bf16.
+//   kt [D/2][KEYS] dwords: (k_j[2e], k_j[2e+1]) for key j, dims 2e, 2e+1 (zeros past n)
+//   vb [KEYS/2][D] dwords: (v_2i[d], v_2i+1[d]) for keys 2i, 2i+1, dim d (zeros past n)
+template <int C>
+inline void load_tile_bf16(const Layout<at::BFloat16, at::BFloat16>& L, int64_t b, int64_t h, int64_t k0, int64_t n,
+                           float* __restrict kt, float* __restrict vb) {
+  constexpr int64_t D = 16 * C;
+  const at::BFloat16* keys[KEYS];
+  for (int64_t j = 0; j < n; ++j) keys[j] = L.key(b, h, k0 + j);
+  for (int64_t j = 0; j < n; j += 2) {
+    const at::BFloat16* v0 = keys[j] + L.v_offset;
+    const at::BFloat16* v1 = j + 1 < n ? keys[j + 1] + L.v_offset : nullptr;
+    for (int c = 0; c < C; ++c) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c)));
+      const __m512i hi = v1 ? _mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * c))), 16)
+                            : _mm512_setzero_si512();
+      _mm512_storeu_si512(vb + (j / 2) * D + 16 * c, _mm512_or_si512(lo, hi));
+    }
+  }
+  for (int64_t j0 = 0; j0 < KEYS; j0 += 16) {
+    for (int c = 0; c < C / 2; ++c) {  // 32 dims = 16 dwords per key
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = j0 + i < n ? _mm512_castsi512_ps(_mm512_loadu_si512(keys[j0 + i] + 32 * c)) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int e = 0; e < 16; ++e) _mm512_storeu_ps(kt + (16 * c + e) * KEYS + j0, r[e]);
+    }
+  }
+}
+#endif
+
+// The same contract for head_dim == 16 * C; R query vectors per register block. DOT (bf16 query and
+// KV, AVX512-BF16): q.k and p.v as vdpbf16ps on bf16 pairs (two multiply-adds per lane and instruction),
+// p rounded to bf16 as torch's bf16 attention rounds it; the softmax stays fp32.
+template <int C, int R, bool DOT, typename q_t, typename kv_t>
 void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, int64_t max_rows, float scale) {
   constexpr int64_t D = 16 * C;
   const int64_t max_vectors = (max_rows * L.group + R - 1) / R * R;
@@ -221,7 +256,11 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
       float* dst = q + m * D;
       if (m < vectors) {
         const q_t* src = L.query_row(start + t.row0 + r, t.kv_head * L.group + m % L.group);
-        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+        if constexpr (DOT) {
+          std::memcpy(dst, src, D * sizeof(q_t));  // bf16 pairs as they are; the scale goes on the scores
+        } else {
+          for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+        }
       } else {
         std::fill(dst, dst + D, 0.f);
       }
@@ -233,18 +272,41 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
     alignas(64) float kscale[KEYS];
     for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
       const int64_t n = std::min<int64_t>(KEYS, last + 1 - k0);  // keys of this tile any vector may see
-      load_tile<C>(L, t.seq, t.kv_head, k0, n, kt, vb, kscale);
+      if constexpr (DOT) {
+#if defined(__AVX512BF16__)
+        load_tile_bf16<C>(L, t.seq, t.kv_head, k0, n, kt, vb);
+#endif
+      } else {
+        load_tile<C>(L, t.seq, t.kv_head, k0, n, kt, vb, kscale);
+      }
       for (int64_t m0 = 0; m0 < padded; m0 += R) {
         if (pos[m0 + R - 1] < k0) continue;  // the whole group sits above this tile's diagonal
         __m512 s[R][KC];
         for (int i = 0; i < R; ++i)
           for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; ++d) {
-          __m512 kd[KC];
-          for (int kc = 0; kc < KC; ++kc) kd[kc] = _mm512_loadu_ps(kt + d * KEYS + 16 * kc);
-          for (int i = 0; i < R; ++i) {
-            const __m512 qd = _mm512_set1_ps(q[(m0 + i) * D + d]);
-            for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_fmadd_ps(qd, kd[kc], s[i][kc]);
+        if constexpr (DOT) {
+#if defined(__AVX512BF16__)
+          const int32_t* qw = reinterpret_cast<const int32_t*>(q);  // D / 2 dwords per vector
+          for (int64_t e = 0; e < D / 2; ++e) {
+            __m512bh kd[KC];
+            for (int kc = 0; kc < KC; ++kc) kd[kc] = (__m512bh)_mm512_loadu_si512(kt + e * KEYS + 16 * kc);
+            for (int i = 0; i < R; ++i) {
+              const __m512bh qe = (__m512bh)_mm512_set1_epi32(qw[(m0 + i) * D + e]);  // vector stride D floats
+              for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_dpbf16_ps(s[i][kc], qe, kd[kc]);
+            }
+          }
+          const __m512 sc = _mm512_set1_ps(scale);
+          for (int i = 0; i < R; ++i)
+            for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_mul_ps(s[i][kc], sc);
+#endif
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            __m512 kd[KC];
+            for (int kc = 0; kc < KC; ++kc) kd[kc] = _mm512_loadu_ps(kt + d * KEYS + 16 * kc);
+            for (int i = 0; i < R; ++i) {
+              const __m512 qd = _mm512_set1_ps(q[(m0 + i) * D + d]);
+              for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_fmadd_ps(qd, kd[kc], s[i][kc]);
+            }
           }
         }
         alignas(64) float p[R][KEYS];
@@ -268,9 +330,18 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
           const __m512 mv = _mm512_set1_ps(m_new[i]);
           __m512 sum = _mm512_setzero_ps();
           for (int kc = 0; kc < KC; ++kc) {
-            const __m512 e = _mm512_maskz_mov_ps(live[kc], exp16(_mm512_sub_ps(s[i][kc], mv)));
+            __m512 e = _mm512_maskz_mov_ps(live[kc], exp16(_mm512_sub_ps(s[i][kc], mv)));
+            if constexpr (DOT) {
+#if defined(__AVX512BF16__)
+              // p as bf16, kept in the first half of p[i]; the sum counts the rounded weights.
+              const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+              _mm256_store_si256(reinterpret_cast<__m256i*>(p[i]) + kc, pb);
+              e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
+#endif
+            } else {
+              _mm512_store_ps(p[i] + 16 * kc, e);
+            }
             sum = _mm512_add_ps(sum, e);
-            _mm512_store_ps(p[i] + 16 * kc, e);
           }
           tile_sum[i] = _mm512_reduce_add_ps(sum);
           maxes[m0 + i] = m_new[i];
@@ -288,12 +359,25 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
           const __m512 al = _mm512_set1_ps(alpha[i]);
           for (int c = 0; c < C; ++c) a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (m0 + i) * D + 16 * c), al);
         }
-        for (int64_t j = 0; j < n; ++j) {
-          __m512 v[C];
-          for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vb + j * D + 16 * c);
-          for (int i = 0; i < R; ++i) {
-            const __m512 w = _mm512_set1_ps(p[i][j]);
-            for (int c = 0; c < C; ++c) a[i][c] = _mm512_fmadd_ps(w, v[c], a[i][c]);
+        if constexpr (DOT) {
+#if defined(__AVX512BF16__)
+          for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+            __m512bh v[C];
+            for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vb + jp * D + 16 * c);
+            for (int i = 0; i < R; ++i) {
+              const __m512bh w = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p[i])[jp]);
+              for (int c = 0; c < C; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], w, v[c]);
+            }
+          }
+#endif
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            __m512 v[C];
+            for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vb + j * D + 16 * c);
+            for (int i = 0; i < R; ++i) {
+              const __m512 w = _mm512_set1_ps(p[i][j]);
+              for (int c = 0; c < C; ++c) a[i][c] = _mm512_fmadd_ps(w, v[c], a[i][c]);
+            }
           }
         }
         for (int i = 0; i < R; ++i)
@@ -391,9 +475,14 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
   dispatch_dtypes(query.scalar_type(), kv_type, [&]<typename q_t, typename kv_t>() {
     const Layout<q_t, kv_t> layout(out, query, kv_cache, block_tables, seq_lens, query_start_loc);
 #if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+    constexpr bool dot = std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16>;
+#else
+    constexpr bool dot = false;
+#endif
     switch (query.size(2)) {
-      case 64: return prefill_avx512<4, 4, q_t, kv_t>(layout, tasks, max_rows, s);
-      case 128: return prefill_avx512<8, 2, q_t, kv_t>(layout, tasks, max_rows, s);
+      case 64: return prefill_avx512<4, 4, dot, q_t, kv_t>(layout, tasks, max_rows, s);
+      case 128: return prefill_avx512<8, 2, dot, q_t, kv_t>(layout, tasks, max_rows, s);
       default: break;
     }
 #endif
