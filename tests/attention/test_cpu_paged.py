@@ -181,3 +181,17 @@ def test_engine_greedy_equal_on_both_backends_over_chunks_and_prefix_hits(tiny: 
         outs[backend] = first
         llm.core.check_invariants()
     assert outs["cpu"] == outs["torch"]
+
+
+def test_bf16_prefill_error_no_worse_than_the_torch_bf16_path() -> None:
+    # bf16 query on bf16 KV takes vdpbf16ps with p rounded to bf16: its error against the fp32 computation
+    # of the same inputs stays that of torch's bf16 attention.
+    step = ([44, 1, 64, 30], [700, 90, 64, 300])
+    ref, _ = run_step("float32", TorchPagedAttention(), *step, seed=5)
+    torch_err = (
+        run_step("bfloat16", TorchPagedAttention(), *step, dtype=torch.bfloat16, seed=5)[0].float() - ref
+    ).abs()
+    ours = run_step("bfloat16", cpu_paged.CpuPagedAttention(), *step, dtype=torch.bfloat16, seed=5)[0]
+    our_err = (ours.float() - ref).abs()
+    assert float(our_err.mean()) <= 1.2 * float(torch_err.mean())
+    assert float(our_err.max()) <= 1.5 * float(torch_err.max())
