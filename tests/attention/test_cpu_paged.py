@@ -141,9 +141,22 @@ def test_chunk_lengths_and_offsets_across_block_edges(name: str, dtype: torch.dt
     compare_step(name, dtype, tol, [9, 30, 1], [31, 30, 5], block_size=4, seed=3)
 
 
-def test_only_one_sequence_with_a_long_chunk() -> None:
+@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES[:2])
+def test_only_one_sequence_with_a_long_chunk(name: str, dtype: torch.dtype, tol: float) -> None:
     # A single chunk: tiles of query rows keep both threads busy; 128-wide heads (register block of 2).
-    compare_step("float32", torch.float32, 1e-5, [64], [700], num_heads=8, num_kv_heads=2, head_dim=128)
+    compare_step(name, dtype, tol, [64], [700], num_heads=8, num_kv_heads=2, head_dim=128)
+
+
+def test_chunk_query_with_strides_of_the_fused_qkv() -> None:
+    # As the model hands q over: a view of the fused [T, Hq + Hkv, D] RoPE output, here for chunk rows.
+    meta = AttentionMetadata.build([3, 1, 5], [20, 5, 5], [[3, 0], [1], [2]], 16)
+    gen = torch.Generator().manual_seed(1)
+    kv = torch.randn(2, 4, 16, 2, 64, generator=gen)
+    qk = torch.randn(9, 6, 64, generator=gen)
+    q, k, v = qk[:, :4], qk[:, 4:], torch.randn(9, 2, 64, generator=gen)
+    ours = cpu_paged.CpuPagedAttention().forward(q, k, v, kv.clone(), meta, 0.125)
+    ref = TorchPagedAttention().forward(q.contiguous(), k.contiguous(), v, kv.clone(), meta, 0.125)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
 
 
 def test_prefill_op_rejects_bad_inputs_clearly() -> None:
