@@ -222,3 +222,16 @@ def test_soak_quick_returns_to_empty(tmp_path: Path) -> None:
     assert [p["n"] for p in result["probes"]] == [0, 1]
     assert all(p["py_blocks"] > 0 and p["malloc_in_use_mb"] > 0 for p in result["probes"])
     assert result["probes"][-1]["onednn_linear_shapes"] > 0 and "gc_types_grown" in result["probe_growth"]
+
+
+def test_bench_chunk_attention_one_layer_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    from streamkv.attention.cpu_paged import cpu_ops_available
+
+    if not cpu_ops_available():
+        pytest.skip("the streamkv C++ CPU ops cannot be built here")
+    from load_tests import bench_chunk_attention
+
+    argv = ["--threads", "1", "--rounds", "1", "--reps", "1", "--shapes", "2x5+20", "--dtypes", "float32"]
+    assert bench_chunk_attention.main(argv) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2x5+20 | float32 |"))
+    assert float(row.split("|")[-2]) < 1e-5  # the op agrees with the torch path on the benched step

@@ -1,25 +1,41 @@
-"""CPU paged attention whose decode reads K/V in place through the block table (a C++ op).
+"""CPU paged attention that reads K/V in place through the block table (C++ ops), decode and prefill rows.
 
-Why a C++ op: the torch reference (:mod:`streamkv.attention.torch_paged`)
+Why a C++ op for decode: the torch reference (:mod:`streamkv.attention.torch_paged`)
 gathers every sequence's whole context into a new head-major tensor in every
 layer (one ``index_select`` of 256-byte rows) and then reads that copy again
 in ``baddbmm`` / ``bmm``. That gather was 34% of a batch-32 decode step on the
-2-core EPYC (docs/benchmarks.md). The op in ``streamkv/ops/csrc`` walks each
-sequence's block table and reads each K and V row once, straight from the
-pool, for all ``G`` query heads of its KV head, accumulating in fp32 (fp32,
-bf16, or int8 / fp8 rows whose per-row scale is applied to the dot product
-and to the softmax weight, so nothing is dequantized into memory). Measured
-against the torch path in docs/benchmarks.md ("Speed levers").
+2-core EPYC (docs/benchmarks.md). ``paged_decode`` in ``streamkv/ops/csrc``
+walks each sequence's block table and reads each K and V row once, straight
+from the pool, for all ``G`` query heads of its KV head, accumulating in fp32
+(fp32, bf16, or int8 / fp8 rows whose per-row scale is applied to the dot
+product and to the softmax weight, so nothing is dequantized into memory).
+Measured against the torch path in docs/benchmarks.md ("Speed levers").
 
-Prefill and chunk rows keep the torch path (SDPA per sequence, already at
-GEMM-like speed); so does the KV write. When the op cannot be built, the
-engine never picks this backend (see :func:`cpu_ops_available`).
+Why one for prefill and chunk rows: a chained turn, or any chunk of a long
+prompt, is a few dozen new rows over a long cached context. The torch path
+gathers that context per sequence and layer and runs SDPA with a boolean
+bottom-right-causal mask, about 60 GFLOP/s on 2 threads; with ten 44-row
+chunks over 656 cached tokens, attention was 60% of the bf16 step.
+``paged_prefill`` runs one task per (sequence, KV head, tile of query rows):
+each 64-key tile is read from the pool once, transposed to ``[D][64]`` fp32,
+and serves all ``G`` heads of the tile's rows (scores as broadcast FMAs, no
+horizontal sums; online softmax; P.V into register-blocked accumulators);
+tiles above the causal diagonal are skipped. Every row with
+``query_len > 1`` takes it, including prompts with no cached context:
+measured with ``load_tests/bench_chunk_attention.py`` (docs/benchmarks.md,
+"Chunk attention"), 4 x 512-token fresh prompts cost less CPU time on the op
+than on SDPA's causal flash path (1.4x in fp32, 1.6x in bf16, one thread,
+loaded machine), so there is no case left for the torch path to win.
+
+The KV write stays the torch one (``write_kv``). When the op cannot be built,
+the engine never picks this backend (see :func:`cpu_ops_available`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from streamkv.attention.kv_layout import write_kv
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from streamkv.ops.cpu_ops import load_cpu_ops
@@ -37,7 +53,7 @@ def cpu_ops_available() -> bool:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """The torch backend with its decode rows on the in-place C++ kernel.
+    """The torch backend with its decode and prefill / chunk rows on the in-place C++ kernels.
 
     Raises:
         RuntimeError: (at construction) the C++ ops cannot be built or loaded.
@@ -50,6 +66,38 @@ class CpuPagedAttention(TorchPagedAttention):
         if ops is None:
             raise RuntimeError("the streamkv CPU ops could not be built; use the torch attention backend")
         self._ops = ops
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """See :meth:`TorchPagedAttention.forward`; same contract, prefill and chunk rows on the C++ op.
+
+        Decode rows take :meth:`decode` (``paged_decode``), every row of a sequence with
+        ``query_len > 1`` takes ``paged_prefill``; both read K/V in place after the write.
+        Dtype pairs the kernels have no instance for (float16) take the torch path.
+
+        Raises:
+            ValueError: query heads not a multiple of KV heads.
+            RuntimeError: a bad block table or tensors on a GPU (the op checks).
+        """
+        if meta.is_pure_decode or (query.dtype, kv_cache.dtype) not in _KERNEL_DTYPES:
+            return super().forward(query, key, value, kv_cache, meta, scale)
+        if query.shape[1] % key.shape[1]:
+            raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads")
+        write_kv(kv_cache, meta.slot_mapping, key, value)
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        starts = meta.query_start_loc_cpu
+        decode_seqs = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+        if decode_seqs:
+            self._decode_subset(out, query, kv_cache, meta, decode_seqs, scale)
+        self._ops.paged_prefill(out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+        return out
 
     def decode(
         self,

@@ -1,13 +1,14 @@
-"""Build and load the C++ CPU ops in ``csrc/``: paged decode attention, fused layer ops.
+"""Build and load the C++ CPU ops in ``csrc/``: paged decode and prefill attention, fused layer ops.
 
 Two extensions, built and loaded independently so one that fails to build
-costs only its own fast path: ``streamkv_cpu_ops`` (``paged_attention.cpp``,
+costs only its own fast path: ``streamkv_cpu_ops`` (``paged_attention.cpp`` and ``paged_prefill.cpp``,
 :func:`load_cpu_ops`) and ``streamkv_fused_ops`` (``fused_layers.cpp``:
 residual add + RMSNorm, SiLU-and-mul, RoPE; :func:`load_fused_ops`).
 
 The extension is JIT-compiled by :func:`torch.utils.cpp_extension.load` with
 ``-O3 -march=native -fopenmp`` into a per-user cache folder
-(``~/.cache/streamkv/torch_extensions/<torch version>``); ``make install``
+(``~/.cache/streamkv/torch_extensions/<torch version>/<digest of the sources>``
+for the attention ops); ``make install``
 runs ``python -m streamkv.ops.cpu_ops`` so the first server start does not
 pay the ~1 minute compile. Later loads reuse the build (cpp_extension rebuilds
 only when the sources or flags change).
@@ -23,6 +24,7 @@ the torch reference path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import sys
 import time
@@ -34,9 +36,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "streamkv_cpu_ops"
-SOURCES = (Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp",)
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "paged_prefill.cpp")
+# Headers the sources include: not compiled themselves, but a change to one must rebuild.
+HEADERS = (_CSRC / "kv_row.h", _CSRC / "kv_tile.h", _CSRC / "simd_math.h")
 FUSED_EXTENSION_NAME = "streamkv_fused_ops"
-FUSED_SOURCES = (Path(__file__).resolve().parent / "csrc" / "fused_layers.cpp",)
+FUSED_SOURCES = (_CSRC / "fused_layers.cpp",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
@@ -52,7 +57,8 @@ def load_cpu_ops() -> ModuleType | None:
     The result is cached for the process, so a failed build is tried (and
     logged) once.
     """
-    return _build(EXTENSION_NAME, SOURCES, build_directory(), "the torch attention path")
+    folder = build_directory() / _source_digest(SOURCES + HEADERS)
+    return _build(EXTENSION_NAME, SOURCES, folder, "the torch attention path")
 
 
 @functools.cache
@@ -63,6 +69,17 @@ def load_fused_ops() -> ModuleType | None:
     """
     # Its own folder: cpp_extension keeps one build.ninja per folder.
     return _build(FUSED_EXTENSION_NAME, FUSED_SOURCES, build_directory() / "fused", "the torch layer ops")
+
+
+def _source_digest(paths: tuple[Path, ...]) -> str:
+    """12 hex digits of the sources' contents: checkouts with different sources build side by side.
+
+    (One shared folder would make two worktrees rebuild over each other's build on every load.)
+    """
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _build(name: str, sources: tuple[Path, ...], folder: Path, fallback: str) -> ModuleType | None:

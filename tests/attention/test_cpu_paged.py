@@ -1,4 +1,4 @@
-"""CpuPagedAttention (the C++ in-place decode) against the torch reference and the dense oracle.
+"""CpuPagedAttention (the C++ in-place decode and prefill ops) against the torch reference and the dense oracle.
 
 Every pool starts NaN-poisoned (see ``run_case``): a read of any slot the
 kernel should not touch (padding of a block table, the unwritten tail of a
@@ -13,7 +13,11 @@ from hypothesis import given, settings
 
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
+from streamkv.llm import LLM
+from streamkv.model.loader import LoadedModel
+from streamkv.sampling_params import SamplingParams
 from tests.attention.test_torch_paged import Case, cases, run_case
+from tests.test_kv_quant import run_step
 
 cpu_paged = pytest.importorskip("streamkv.attention.cpu_paged")
 if not cpu_paged.cpu_ops_available():
@@ -89,3 +93,118 @@ def test_kernel_rejects_bad_inputs_clearly() -> None:
 @given(case=cases())
 def test_random_batches_match_reference(case: Case, head_dim: int) -> None:
     compare(case, head_dim=head_dim)
+
+
+# --- prefill and chunk rows (paged_prefill) -----------------------------------
+
+PREFILL_DTYPES = [  # (KV cache dtype name, query dtype, tolerance against the torch path)
+    ("float32", torch.float32, 1e-5),
+    ("bfloat16", torch.bfloat16, 3e-2),
+    ("bfloat16", torch.float32, 1e-5),
+    ("int8", torch.float32, 1e-5),
+    ("fp8_e4m3", torch.float32, 1e-5),
+    ("int8", torch.bfloat16, 3e-2),
+]
+
+
+def compare_step(
+    name: str, dtype: torch.dtype, tol: float, query_lens: list[int], seq_lens: list[int], **shape: int
+) -> None:
+    """Both backends on the same poisoned pool (``run_step``: shuffled blocks, 0xFF / NaN in every unowned slot)."""
+    ref, ref_cache = run_step(name, TorchPagedAttention(), query_lens, seq_lens, dtype=dtype, **shape)
+    out, cache = run_step(name, cpu_paged.CpuPagedAttention(), query_lens, seq_lens, dtype=dtype, **shape)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=0)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])  # GQA G = 3 and G = 1
+@pytest.mark.parametrize("head_dim", [64, 12])  # the AVX-512 kernel and the portable one
+def test_chunks_over_cached_context_match_the_torch_path(
+    name: str, dtype: torch.dtype, tol: float, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    # Chunks of 2..70 rows over contexts of 1..~300, crossing block edges, mixed with decode rows.
+    query_lens = [2, 1, 70, 17, 1, 33, 5, 44]
+    seq_lens = [2, 40, 300, 17, 1, 48, 261, 100]
+    shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    compare_step(name, dtype, tol, query_lens, seq_lens, **shape, seed=7)
+
+
+@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES[:2])
+def test_chunk_lengths_and_offsets_across_block_edges(name: str, dtype: torch.dtype, tol: float) -> None:
+    # Every chunk length 2..20 at context offsets on, before and after a block edge; small blocks too.
+    for q_len in range(2, 21):
+        for ctx in (0, 15, 16, 17, 63):
+            compare_step(name, dtype, tol, [q_len, 1], [ctx + q_len, ctx + 1], seed=q_len * 100 + ctx)
+    compare_step(name, dtype, tol, [9, 30, 1], [31, 30, 5], block_size=4, seed=3)
+
+
+@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES[:2])
+def test_only_one_sequence_with_a_long_chunk(name: str, dtype: torch.dtype, tol: float) -> None:
+    # A single chunk: tiles of query rows keep both threads busy; 128-wide heads (register block of 2).
+    compare_step(name, dtype, tol, [64], [700], num_heads=8, num_kv_heads=2, head_dim=128)
+
+
+def test_chunk_query_with_strides_of_the_fused_qkv() -> None:
+    # As the model hands q over: a view of the fused [T, Hq + Hkv, D] RoPE output, here for chunk rows.
+    meta = AttentionMetadata.build([3, 1, 5], [20, 5, 5], [[3, 0], [1], [2]], 16)
+    gen = torch.Generator().manual_seed(1)
+    kv = torch.randn(2, 4, 16, 2, 64, generator=gen)
+    qk = torch.randn(9, 6, 64, generator=gen)
+    q, k, v = qk[:, :4], qk[:, 4:], torch.randn(9, 2, 64, generator=gen)
+    ours = cpu_paged.CpuPagedAttention().forward(q, k, v, kv.clone(), meta, 0.125)
+    ref = TorchPagedAttention().forward(q.contiguous(), k.contiguous(), v, kv.clone(), meta, 0.125)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+
+
+def test_prefill_op_rejects_bad_inputs_clearly() -> None:
+    ops = cpu_paged.load_cpu_ops()
+    kv = torch.zeros(2, 4, 4, 1, 8)
+    q = torch.zeros(3, 2, 8)
+    tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    starts = torch.tensor([0, 3], dtype=torch.int32)
+    ops.paged_prefill(torch.empty_like(q), q, kv, tables, lens, starts, 1.0)  # the valid call
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.paged_prefill(torch.empty_like(q), q, kv, tables, lens, starts.long(), 1.0)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.paged_prefill(torch.empty_like(q), q, kv, tables + 3, lens, starts, 1.0)
+    with pytest.raises(RuntimeError, match="too short"):
+        ops.paged_prefill(torch.empty_like(q), q, kv, tables, torch.tensor([9], dtype=torch.int32), starts, 1.0)
+    with pytest.raises(RuntimeError, match="query length"):
+        ops.paged_prefill(torch.empty_like(q), q, kv, tables, torch.tensor([2], dtype=torch.int32), starts, 1.0)
+    with pytest.raises(RuntimeError, match="0 to T"):
+        ops.paged_prefill(torch.empty_like(q), q, kv, tables, lens, torch.tensor([0, 2], dtype=torch.int32), 1.0)
+
+
+def test_engine_greedy_equal_on_both_backends_over_chunks_and_prefix_hits(tiny: LoadedModel) -> None:
+    # Two prompts share 40 tokens (full blocks, cached after the first pass); a 16-token budget splits
+    # every prompt into chunks over cached context, mixed with the other sequences' decodes.
+    shared = [100 + (7 * i) % 4000 for i in range(40)]
+    prompts = [shared + [300 + i for i in range(n)] for n in (3, 29)] + [[900 + 5 * i for i in range(23)]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs: dict[str, list[list[int]]] = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(loaded=tiny, device="cpu", num_blocks=64, max_num_batched_tokens=16, attention_backend=backend)
+        assert llm.core.backend.name == backend
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # prefix hits
+        assert again == first
+        outs[backend] = first
+        llm.core.check_invariants()
+    assert outs["cpu"] == outs["torch"]
+
+
+def test_bf16_prefill_error_no_worse_than_the_torch_bf16_path() -> None:
+    # bf16 query on bf16 KV takes vdpbf16ps with p rounded to bf16: its error against the fp32 computation
+    # of the same inputs stays that of torch's bf16 attention.
+    step = ([44, 1, 64, 30], [700, 90, 64, 300])
+    ref, _ = run_step("float32", TorchPagedAttention(), *step, seed=5)
+    torch_err = (
+        run_step("bfloat16", TorchPagedAttention(), *step, dtype=torch.bfloat16, seed=5)[0].float() - ref
+    ).abs()
+    ours = run_step("bfloat16", cpu_paged.CpuPagedAttention(), *step, dtype=torch.bfloat16, seed=5)[0]
+    our_err = (ours.float() - ref).abs()
+    assert float(our_err.mean()) <= 1.2 * float(torch_err.mean())
+    assert float(our_err.max()) <= 1.5 * float(torch_err.max())

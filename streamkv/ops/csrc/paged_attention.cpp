@@ -14,62 +14,19 @@
 //
 // Everything accumulates in fp32, whatever the cache dtype.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "kv_row.h"
 #include "simd_math.h"
 
-#include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-using fp8_t = c10::Float8_e4m3fn;
-
-// All 256 e4m3 codes as floats (NaN codes stay NaN): a table lookup per element, a gather per 16.
-const std::array<float, 256>& fp8_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(fp8_t(static_cast<uint8_t>(i), fp8_t::from_bits()));
-    return t;
-  }();
-  return table;
-}
-
-inline float to_float(int8_t x) { return static_cast<float>(x); }
-inline float to_float(fp8_t x) { return fp8_table()[x.x]; }
-
-template <typename kv_t>
-constexpr bool is_quantized = std::is_same_v<kv_t, int8_t> || std::is_same_v<kv_t, fp8_t>;
-
-// The dequantization scale of one row (1 for unquantized rows): the float32 after its head_dim codes.
-template <typename kv_t>
-inline float row_scale(const kv_t* row, int64_t head_dim) {
-  if constexpr (is_quantized<kv_t>) {
-    float s;
-    std::memcpy(&s, reinterpret_cast<const char*>(row) + head_dim, sizeof(s));
-    return s;
-  } else {
-    return 1.f;
-  }
-}
+using namespace streamkv;
 
 template <typename kv_t>
 inline float dot(const float* q, const kv_t* k, int64_t d) {
@@ -158,21 +115,6 @@ void decode_generic(
 }
 
 #if defined(__AVX512F__)
-// 16 lanes of K/V as fp32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m512 load16(const fp8_t* p) {
-  const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_i32gather_ps(codes, fp8_table().data(), 4);
-}
-
-
 // The same contract as decode_generic, for head_dim == 16 * C: a task's queries and its
 // accumulators sit in zmm-sized chunks, each K/V row is C loads, exp is vectorised.
 template <int C, typename q_t, typename kv_t>
@@ -308,26 +250,16 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
               "seq_lens must be a contiguous [B]");
   TORCH_CHECK(query.scalar_type() == out.scalar_type(), "query and out dtypes differ");
   TORCH_CHECK(!query.is_cuda() && !kv_cache.is_cuda(), "CPU tensors only");
-  const auto q_type = query.scalar_type();
-  if (q_type == at::kFloat && kv_type == at::kFloat) {
-    decode_kernel<float, float>(out, query, kv_cache, block_tables, seq_lens, scale);
-  } else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16) {
-    decode_kernel<at::BFloat16, at::BFloat16>(out, query, kv_cache, block_tables, seq_lens, scale);
-  } else if (q_type == at::kFloat && kv_type == at::kBFloat16) {
-    decode_kernel<float, at::BFloat16>(out, query, kv_cache, block_tables, seq_lens, scale);
-  } else if (q_type == at::kFloat && kv_type == at::kChar) {
-    decode_kernel<float, int8_t>(out, query, kv_cache, block_tables, seq_lens, scale);
-  } else if (q_type == at::kBFloat16 && kv_type == at::kChar) {
-    decode_kernel<at::BFloat16, int8_t>(out, query, kv_cache, block_tables, seq_lens, scale);
-  } else if (q_type == at::kFloat && kv_type == at::kFloat8_e4m3fn) {
-    decode_kernel<float, fp8_t>(out, query, kv_cache, block_tables, seq_lens, scale);
-  } else if (q_type == at::kBFloat16 && kv_type == at::kFloat8_e4m3fn) {
-    decode_kernel<at::BFloat16, fp8_t>(out, query, kv_cache, block_tables, seq_lens, scale);
-  } else {
-    TORCH_CHECK(false, "unsupported dtypes: query ", q_type, ", kv_cache ", kv_type);
-  }
+  dispatch_dtypes(query.scalar_type(), kv_type, [&]<typename q_t, typename kv_t>() {
+    decode_kernel<q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale);
+  });
 }
+
+// Defined in paged_prefill.cpp.
+void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_tables,
+                   at::Tensor seq_lens, at::Tensor query_start_loc, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention reading K/V in place (CPU)");
+  m.def("paged_prefill", &paged_prefill, "paged causal attention of prefill / chunk rows, K/V read in place (CPU)");
 }

@@ -1,0 +1,99 @@
+// One (token, KV head) row of the paged KV cache, read as fp32: shared by paged_attention.cpp and
+// paged_prefill.cpp (one extension, two translation units).
+//
+//   fp32 / bf16:  the row is D values
+//   int8 / fp8:   the row is D codes then a float32 scale (streamkv/attention/kv_layout.py), x = code * scale
+#pragma once
+
+#include <torch/extension.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace streamkv {
+
+using fp8_t = c10::Float8_e4m3fn;
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// All 256 e4m3 codes as floats (NaN codes stay NaN): a table lookup per element, a gather per 16.
+inline const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(fp8_t(static_cast<uint8_t>(i), fp8_t::from_bits()));
+    return t;
+  }();
+  return table;
+}
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(fp8_t x) { return fp8_table()[x.x]; }
+
+template <typename kv_t>
+constexpr bool is_quantized = std::is_same_v<kv_t, int8_t> || std::is_same_v<kv_t, fp8_t>;
+
+// The dequantization scale of one row (1 for unquantized rows): the float32 after its head_dim codes.
+template <typename kv_t>
+inline float row_scale(const kv_t* row, int64_t head_dim) {
+  if constexpr (is_quantized<kv_t>) {
+    float s;
+    std::memcpy(&s, reinterpret_cast<const char*>(row) + head_dim, sizeof(s));
+    return s;
+  } else {
+    return 1.f;
+  }
+}
+
+#if defined(__AVX512F__)
+// 16 lanes of a K/V row as fp32 (codes, before the scale).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const fp8_t* p) {
+  const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_i32gather_ps(codes, fp8_table().data(), 4);
+}
+#endif
+
+// Calls body.template operator()<q_t, kv_t>() for the (query, KV cache) dtype pair, or raises.
+// The pairs: fp32/fp32, bf16/bf16, fp32/bf16, and fp32 or bf16 queries on int8 / fp8 rows.
+template <typename Body>
+void dispatch_dtypes(at::ScalarType q_type, at::ScalarType kv_type, Body&& body) {
+  if (q_type == at::kFloat && kv_type == at::kFloat) {
+    body.template operator()<float, float>();
+  } else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16) {
+    body.template operator()<at::BFloat16, at::BFloat16>();
+  } else if (q_type == at::kFloat && kv_type == at::kBFloat16) {
+    body.template operator()<float, at::BFloat16>();
+  } else if (q_type == at::kFloat && kv_type == at::kChar) {
+    body.template operator()<float, int8_t>();
+  } else if (q_type == at::kBFloat16 && kv_type == at::kChar) {
+    body.template operator()<at::BFloat16, int8_t>();
+  } else if (q_type == at::kFloat && kv_type == at::kFloat8_e4m3fn) {
+    body.template operator()<float, fp8_t>();
+  } else if (q_type == at::kBFloat16 && kv_type == at::kFloat8_e4m3fn) {
+    body.template operator()<at::BFloat16, fp8_t>();
+  } else {
+    TORCH_CHECK(false, "unsupported dtypes: query ", q_type, ", kv_cache ", kv_type);
+  }
+}
+
+}  // namespace streamkv

@@ -1,0 +1,368 @@
+// Paged causal attention of prefill / chunk rows on the CPU: reads K/V in place through the block table.
+//
+// Sequence b has query_len = query_start_loc[b+1] - query_start_loc[b] new rows at positions
+// seq_len - query_len .. seq_len - 1; row r sees positions 0 ..= seq_len - query_len + r. Its new K/V
+// are already in the pool (write_kv runs first), so every key, cached or new, is read from the blocks.
+// Sequences with query_len == 1 (decodes) are left to paged_decode: their out rows are not written.
+//
+// One task per (sequence, KV head, tile of query rows). A tile's M = rows x G query vectors
+// (vector m = row m / G, query head h * G + m % G) share each load of K and V (kv_tile.h):
+//
+//   for each 64-key tile of the context, up to the tile's last position:
+//     Kt [D][64] fp32   the keys transposed (16x16 blocks in registers): Kt[d] is 4 zmm of 64 keys' d-th component
+//     Vb [64][D] fp32   the values, each row times its scale (int8 / fp8)
+//     for each group of R query vectors (register blocking):
+//       s_i  = sum_d broadcast(q_i[d]) * Kt[d]          no horizontal sum
+//       s_i *= key scales; lanes past the vector's position masked (the causal diagonal)
+//       online softmax: m_i' = max(m_i, max s_i), acc_i *= e^(m_i - m_i'), l_i = l_i e^(..) + sum p_i
+//       acc_i += sum_j broadcast(p_ij) * Vb[j]           D/16 zmm accumulators per vector
+//   out = acc / l
+//
+// bf16 query on bf16 KV (AVX512-BF16): the same loop on bf16 pairs, vdpbf16ps for both products.
+// Key tiles wholly above a group's diagonal are skipped; slots past the tile's last position (another
+// sequence's, or the unwritten tail of the last block) are never read. Everything accumulates in fp32.
+// Tasks run longest first off a shared counter, so a causal triangle of unequal tiles balances.
+
+#include <ATen/Parallel.h>
+
+#include "kv_row.h"
+#include "kv_tile.h"
+#include "simd_math.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using namespace streamkv;
+
+struct Task {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t row0;   // first query row of the tile, within the sequence's chunk
+  int64_t rows;   // query rows in the tile
+  int64_t cost;   // keys x rows it reads, to run the longest first
+};
+
+// Runs tasks[i] for every i, longest first, on all threads (a shared counter: dynamic scheduling).
+template <typename F>
+void run_tasks(const std::vector<Task>& tasks, F&& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) body(tasks[i]);
+  });
+}
+
+// Portable kernel: any head_dim; per query vector, scores over its visible keys, softmax, weighted V.
+template <typename q_t, typename kv_t>
+void prefill_generic(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, float scale) {
+  const int64_t D = L.head_dim;
+  int64_t max_len = 0;
+  for (const Task& t : tasks) max_len = std::max<int64_t>(max_len, L.seq_lens[t.seq]);
+  run_tasks(tasks, [&](const Task& t) {
+    thread_local std::vector<float> q, acc, scores;
+    q.resize(D), acc.resize(D), scores.resize(max_len);
+    const int64_t len = L.seq_lens[t.seq];
+    const int64_t start = L.starts[t.seq];
+    const int64_t ctx0 = len - (L.starts[t.seq + 1] - start);
+    for (int64_t r = t.row0; r < t.row0 + t.rows; ++r) {
+      const int64_t visible = ctx0 + r + 1;
+      for (int64_t g = 0; g < L.group; ++g) {
+        const int64_t head = t.kv_head * L.group + g;
+        const q_t* src = L.query_row(start + r, head);
+        for (int64_t i = 0; i < D; ++i) q[i] = static_cast<float>(src[i]) * scale;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < visible; ++p) {
+          const kv_t* k = L.key(t.seq, t.kv_head, p);
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < D; ++i) s += q[i] * to_float(k[i]);
+          scores[p] = s * row_scale(k, D);
+          m = std::max(m, scores[p]);
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float sum = 0.f;
+        for (int64_t p = 0; p < visible; ++p) {
+          const float w = std::exp(scores[p] - m);
+          sum += w;
+          const kv_t* v = L.key(t.seq, t.kv_head, p) + L.v_offset;
+          const float wv = w * row_scale(v, D);
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) acc[i] += wv * to_float(v[i]);
+        }
+        q_t* dst = L.out_row(start + r, head);
+        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<q_t>(acc[i] / sum);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// The same contract for head_dim == 16 * C; R query vectors per register block. DOT (bf16 query and
+// KV, AVX512-BF16): q.k and p.v as vdpbf16ps on bf16 pairs (two multiply-adds per lane and instruction),
+// p rounded to bf16 as torch's bf16 attention rounds it; the softmax stays fp32.
+template <int C, int R, bool DOT, typename q_t, typename kv_t>
+void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, int64_t max_rows, float scale) {
+  constexpr int64_t D = 16 * C;
+  const int64_t max_vectors = (max_rows * L.group + R - 1) / R * R;
+  run_tasks(tasks, [&](const Task& t) {
+    thread_local std::vector<float> q_buf, acc_buf, max_buf, sum_buf, kt_buf, vb_buf;
+    thread_local std::vector<int64_t> pos_buf;
+    q_buf.resize(max_vectors * D), acc_buf.resize(max_vectors * D), max_buf.resize(max_vectors);
+    sum_buf.resize(max_vectors), pos_buf.resize(max_vectors), kt_buf.resize(D * KEYS), vb_buf.resize(KEYS * D);
+    float* __restrict q = q_buf.data();
+    float* __restrict acc = acc_buf.data();
+    float* __restrict maxes = max_buf.data();
+    float* __restrict sums = sum_buf.data();
+    float* __restrict kt = kt_buf.data();
+    float* __restrict vb = vb_buf.data();
+    int64_t* __restrict pos = pos_buf.data();
+    const int64_t start = L.starts[t.seq];
+    const int64_t ctx0 = L.seq_lens[t.seq] - (L.starts[t.seq + 1] - start);
+    const int64_t vectors = t.rows * L.group;
+    const int64_t padded = (vectors + R - 1) / R * R;
+    // Padding vectors repeat the last row's position with a zero query: finite, never written out.
+    for (int64_t m = 0; m < padded; ++m) {
+      const int64_t r = std::min(m, vectors - 1) / L.group;
+      pos[m] = ctx0 + t.row0 + r;
+      float* dst = q + m * D;
+      if (m < vectors) {
+        const q_t* src = L.query_row(start + t.row0 + r, t.kv_head * L.group + m % L.group);
+        if constexpr (DOT) {
+          std::memcpy(dst, src, D * sizeof(q_t));  // bf16 pairs as they are; the scale goes on the scores
+        } else {
+          for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+        }
+      } else {
+        std::fill(dst, dst + D, 0.f);
+      }
+      std::fill(acc + m * D, acc + m * D + D, 0.f);
+      maxes[m] = -std::numeric_limits<float>::infinity();
+      sums[m] = 0.f;
+    }
+    const int64_t last = pos[padded - 1];
+    alignas(64) float kscale[KEYS];
+    for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
+      const int64_t n = std::min<int64_t>(KEYS, last + 1 - k0);  // keys of this tile any vector may see
+      if constexpr (DOT) {
+#if defined(__AVX512BF16__)
+        load_tile_bf16<C>(L, t.seq, t.kv_head, k0, n, kt, vb);
+#endif
+      } else {
+        load_tile<C>(L, t.seq, t.kv_head, k0, n, kt, vb, kscale);
+      }
+      for (int64_t m0 = 0; m0 < padded; m0 += R) {
+        if (pos[m0 + R - 1] < k0) continue;  // the whole group sits above this tile's diagonal
+        __m512 s[R][KC];
+        for (int i = 0; i < R; ++i)
+          for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_setzero_ps();
+        if constexpr (DOT) {
+#if defined(__AVX512BF16__)
+          const int32_t* qw = reinterpret_cast<const int32_t*>(q);  // D / 2 dwords per vector
+          for (int64_t e = 0; e < D / 2; ++e) {
+            __m512bh kd[KC];
+            for (int kc = 0; kc < KC; ++kc) kd[kc] = (__m512bh)_mm512_loadu_si512(kt + e * KEYS + 16 * kc);
+            for (int i = 0; i < R; ++i) {
+              const __m512bh qe = (__m512bh)_mm512_set1_epi32(qw[(m0 + i) * D + e]);  // vector stride D floats
+              for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_dpbf16_ps(s[i][kc], qe, kd[kc]);
+            }
+          }
+          const __m512 sc = _mm512_set1_ps(scale);
+          for (int i = 0; i < R; ++i)
+            for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_mul_ps(s[i][kc], sc);
+#endif
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            __m512 kd[KC];
+            for (int kc = 0; kc < KC; ++kc) kd[kc] = _mm512_loadu_ps(kt + d * KEYS + 16 * kc);
+            for (int i = 0; i < R; ++i) {
+              const __m512 qd = _mm512_set1_ps(q[(m0 + i) * D + d]);
+              for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_fmadd_ps(qd, kd[kc], s[i][kc]);
+            }
+          }
+        }
+        alignas(64) float p[R][KEYS];
+        alignas(64) float m_old[16], m_new[16];
+        float tile_sum[R] = {};
+        for (int i = 0; i < R; ++i) {
+          const int64_t visible = std::min<int64_t>(n, pos[m0 + i] - k0 + 1);
+          m_old[i] = m_new[i] = maxes[m0 + i];
+          if (visible <= 0) {  // the vector sees none of this tile: p = 0, alpha = e^0
+            for (int kc = 0; kc < KC; ++kc) _mm512_store_ps(p[i] + 16 * kc, _mm512_setzero_ps());
+            continue;
+          }
+          __mmask16 live[KC];
+          __m512 tile_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          for (int kc = 0; kc < KC; ++kc) {
+            live[kc] = lanes_below(visible - 16 * kc);
+            if constexpr (is_quantized<kv_t>) s[i][kc] = _mm512_mul_ps(s[i][kc], _mm512_load_ps(kscale + 16 * kc));
+            tile_max = _mm512_mask_max_ps(tile_max, live[kc], tile_max, s[i][kc]);
+          }
+          m_new[i] = std::max(m_old[i], _mm512_reduce_max_ps(tile_max));
+          const __m512 mv = _mm512_set1_ps(m_new[i]);
+          __m512 sum = _mm512_setzero_ps();
+          for (int kc = 0; kc < KC; ++kc) {
+            __m512 e = _mm512_maskz_mov_ps(live[kc], exp16(_mm512_sub_ps(s[i][kc], mv)));
+            if constexpr (DOT) {
+#if defined(__AVX512BF16__)
+              // p as bf16, kept in the first half of p[i]; the sum counts the rounded weights.
+              const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+              _mm256_store_si256(reinterpret_cast<__m256i*>(p[i]) + kc, pb);
+              e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
+#endif
+            } else {
+              _mm512_store_ps(p[i] + 16 * kc, e);
+            }
+            sum = _mm512_add_ps(sum, e);
+          }
+          tile_sum[i] = _mm512_reduce_add_ps(sum);
+          maxes[m0 + i] = m_new[i];
+        }
+        // alpha_i = e^(m_old - m_new): 1 while the max holds, 0 on the first tile (m_old = -inf).
+        const __mmask16 group_lanes = static_cast<__mmask16>((1u << R) - 1);
+        alignas(64) float alpha[16];
+        const __m512 diff = _mm512_sub_ps(_mm512_maskz_load_ps(group_lanes, m_old), _mm512_maskz_load_ps(group_lanes, m_new));
+        _mm512_store_ps(alpha, exp16(diff));
+        for (int i = 0; i < R; ++i)
+          if (m_old[i] == -std::numeric_limits<float>::infinity()) alpha[i] = 0.f;
+        for (int i = 0; i < R; ++i) sums[m0 + i] = sums[m0 + i] * alpha[i] + tile_sum[i];
+        __m512 a[R][C];
+        for (int i = 0; i < R; ++i) {
+          const __m512 al = _mm512_set1_ps(alpha[i]);
+          for (int c = 0; c < C; ++c) a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (m0 + i) * D + 16 * c), al);
+        }
+        if constexpr (DOT) {
+#if defined(__AVX512BF16__)
+          for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+            __m512bh v[C];
+            for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vb + jp * D + 16 * c);
+            for (int i = 0; i < R; ++i) {
+              const __m512bh w = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p[i])[jp]);
+              for (int c = 0; c < C; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], w, v[c]);
+            }
+          }
+#endif
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            __m512 v[C];
+            for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vb + j * D + 16 * c);
+            for (int i = 0; i < R; ++i) {
+              const __m512 w = _mm512_set1_ps(p[i][j]);
+              for (int c = 0; c < C; ++c) a[i][c] = _mm512_fmadd_ps(w, v[c], a[i][c]);
+            }
+          }
+        }
+        for (int i = 0; i < R; ++i)
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (m0 + i) * D + 16 * c, a[i][c]);
+      }
+    }
+    for (int64_t m = 0; m < vectors; ++m) {
+      const float inv = 1.f / sums[m];
+      q_t* dst = L.out_row(start + t.row0 + m / L.group, t.kv_head * L.group + m % L.group);
+      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<q_t>(acc[m * D + i] * inv);
+    }
+  });
+}
+#endif
+
+// Tiles of query rows: as large as keeps every thread busy (a K/V tile load serves rows x G vectors).
+std::vector<Task> make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads,
+                             int64_t* max_rows) {
+  const int64_t threads = at::get_num_threads();
+  int64_t tile = 32;
+  auto count = [&](int64_t rows_per_tile) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < num_seqs; ++b) {
+      const int64_t q_len = starts[b + 1] - starts[b];
+      if (q_len > 1) n += (q_len + rows_per_tile - 1) / rows_per_tile * num_kv_heads;
+    }
+    return n;
+  };
+  while (tile > 4 && count(tile) < 4 * threads) tile /= 2;
+  std::vector<Task> tasks;
+  *max_rows = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    if (q_len <= 1) continue;
+    const int64_t ctx0 = lens[b] - q_len;
+    const int64_t num_tiles = (q_len + tile - 1) / tile;
+    const int64_t even = (q_len + num_tiles - 1) / num_tiles;  // 44 rows in tiles of 32: 22 + 22, not 32 + 12
+    for (int64_t r0 = 0; r0 < q_len; r0 += even) {
+      const int64_t rows = std::min(even, q_len - r0);
+      *max_rows = std::max(*max_rows, rows);
+      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({b, h, r0, rows, (ctx0 + r0 + rows) * rows});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  return tasks;
+}
+
+}  // namespace
+
+// out[t, Hq, D] for the rows t of every sequence with query_len > 1: causal attention to its context.
+void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_tables,
+                   at::Tensor seq_lens, at::Tensor query_start_loc, double scale) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [T, Hq, D] alike");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D]");
+  const auto kv_type = kv_cache.scalar_type();
+  const bool quantized = kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn;
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) + (quantized ? 4 : 0),
+              "kv_cache rows must be head_dim wide (head_dim + 4, a float32 scale, for int8 / fp8)");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads are not a multiple of KV heads");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a unit last stride");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block_tables, seq_lens and query_start_loc must be int32");
+  const int64_t num_seqs = seq_lens.numel();
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) == num_seqs,
+              "block_tables must be [B, max_blocks] with unit last stride");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous(), "seq_lens must be a contiguous [B]");
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.is_contiguous() && query_start_loc.numel() == num_seqs + 1,
+              "query_start_loc must be a contiguous [B + 1]");
+  TORCH_CHECK(query.scalar_type() == out.scalar_type(), "query and out dtypes differ");
+  TORCH_CHECK(!query.is_cuda() && !kv_cache.is_cuda() && !block_tables.is_cuda(), "CPU tensors only");
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(1);
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == query.size(0), "query_start_loc must run from 0 to T");
+  // Every block a kernel will read, checked once here: a bad table is an error, not a wild read.
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK(q_len >= 1 && q_len <= lens[b], "sequence ", b, ": query length ", q_len, " not in 1..seq_len (",
+                lens[b], ")");
+    if (q_len == 1) continue;
+    const int64_t used = (lens[b] + block_size - 1) / block_size;
+    TORCH_CHECK(used <= block_tables.size(1), "sequence ", b, ": block table too short for ", lens[b], " tokens");
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t id = tables[b * block_tables.stride(0) + i];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", b, ": block id ", id, " outside the pool");
+    }
+  }
+  int64_t max_rows = 0;
+  const std::vector<Task> tasks = make_tasks(starts, lens, num_seqs, kv_cache.size(3), &max_rows);
+  if (tasks.empty()) return;
+  const float s = static_cast<float>(scale);
+  dispatch_dtypes(query.scalar_type(), kv_type, [&]<typename q_t, typename kv_t>() {
+    const Layout<q_t, kv_t> layout(out, query, kv_cache, block_tables, seq_lens, query_start_loc);
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+    constexpr bool dot = std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16>;
+#else
+    constexpr bool dot = false;
+#endif
+    switch (query.size(2)) {
+      case 64: return prefill_avx512<4, 4, dot, q_t, kv_t>(layout, tasks, max_rows, s);
+      case 128: return prefill_avx512<8, 2, dot, q_t, kv_t>(layout, tasks, max_rows, s);
+      default: break;
+    }
+#endif
+    prefill_generic<q_t, kv_t>(layout, tasks, s);
+  });
+}
