@@ -6,7 +6,10 @@ Each step takes at most ``max_num_batched_tokens`` tokens from at most
 1. running sequences that decode (one token each), oldest first;
 2. running sequences part-way through their prefill, oldest first;
 3. swapped sequences, swapped back in oldest first;
-4. waiting sequences, in arrival order (preempted ones at the front).
+4. waiting sequences, in arrival order (preempted ones at the front); a
+   turn whose session's KV is still being read from disk is passed over
+   until the read lands (a reader thread, bounded by the file's size; a
+   failed read leaves the turn to recompute).
 
 A sequence takes ``min(tokens left to compute, budget left)``. When the
 pool cannot give a running sequence its slots, idle sessions are unpinned
