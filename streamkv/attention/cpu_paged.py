@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import torch
 
-from streamkv.attention.kv_layout import write_kv
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from streamkv.ops.cpu_ops import load_cpu_ops
@@ -67,37 +66,27 @@ class CpuPagedAttention(TorchPagedAttention):
             raise RuntimeError("the streamkv CPU ops could not be built; use the torch attention backend")
         self._ops = ops
 
-    def forward(
+    def prefill(
         self,
+        out: torch.Tensor,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
-        """See :meth:`TorchPagedAttention.forward`; same contract, prefill and chunk rows on the C++ op.
+    ) -> None:
+        """See :meth:`TorchPagedAttention.prefill`; same contract, on ``paged_prefill`` (K/V read in place).
 
-        Decode rows take :meth:`decode` (``paged_decode``), every row of a sequence with
-        ``query_len > 1`` takes ``paged_prefill``; both read K/V in place after the write.
-        Dtype pairs the kernels have no instance for (float16) take the torch path.
+        Dtype pairs the kernel has no instance for (float16) take the torch path.
 
         Raises:
-            ValueError: query heads not a multiple of KV heads.
             RuntimeError: a bad block table or tensors on a GPU (the op checks).
         """
-        if meta.is_pure_decode or (query.dtype, kv_cache.dtype) not in _KERNEL_DTYPES:
-            return super().forward(query, key, value, kv_cache, meta, scale)
-        if query.shape[1] % key.shape[1]:
-            raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads")
-        write_kv(kv_cache, meta.slot_mapping, key, value)
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        starts = meta.query_start_loc_cpu
-        decode_seqs = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
-        if decode_seqs:
-            self._decode_subset(out, query, kv_cache, meta, decode_seqs, scale)
+        if (query.dtype, kv_cache.dtype) not in _KERNEL_DTYPES:
+            return super().prefill(out, query, key, value, kv_cache, meta, scale)
         self._ops.paged_prefill(out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
-        return out
+        return None
 
     def decode(
         self,

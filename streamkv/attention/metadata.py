@@ -20,6 +20,7 @@ slot is ``block_id * block_size + offset`` (vLLM's slot mapping).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -58,6 +59,18 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @property
+    def decode_seqs(self) -> list[int]:
+        """Indices of the sequences with one query token (a mixed batch's decode rows), ascending.
+
+        Computed by the first layer that asks and kept in ``step_cache``: every layer sees the same batch.
+        """
+        seqs = self.step_cache.get("decode_seqs")
+        if seqs is None:
+            starts = self.query_start_loc_cpu
+            seqs = self.step_cache["decode_seqs"] = [i for i in range(self.num_seqs) if starts[i + 1] - starts[i] == 1]
+        return cast("list[int]", seqs)
 
     @property
     def is_pure_decode(self) -> bool:

@@ -75,10 +75,31 @@ class TorchPagedAttention(AttentionBackend):
             )
 
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        if meta.decode_seqs:
+            self._decode_subset(out, query, kv_cache, meta, meta.decode_seqs, scale)
+        self.prefill(out, query, key, value, kv_cache, meta, scale)
+        return out
+
+    def prefill(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> None:
+        """Causal attention of every sequence with ``query_len > 1`` to its context, into its rows of ``out``.
+
+        Subclasses replace this (the C++ CPU backend), as they do :meth:`decode`; K/V are already written.
+
+        Args:
+            out: ``[T, Hq, D]``; the rows of decode sequences are left as they are.
+            query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]`` (this step's, for a chunk with no context).
+            kv_cache: contiguous ``[2, num_blocks, block_size, Hkv, row]``.
+        """
         starts = meta.query_start_loc_cpu
-        decode_seqs = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
-        if decode_seqs:
-            self._decode_subset(out, query, kv_cache, meta, decode_seqs, scale)
         for i in range(meta.num_seqs):
             start, end = starts[i], starts[i + 1]
             if end - start == 1:
@@ -92,7 +113,6 @@ class TorchPagedAttention(AttentionBackend):
                 slots = _context_slots(meta.block_tables[i], seq_len, meta.block_size)
                 k, v = gather_slots(kv_cache, slots, query.dtype)
             out[start:end] = _prefill(query[start:end], k.to(query.dtype), v.to(query.dtype), scale)
-        return out
 
     def decode(
         self,

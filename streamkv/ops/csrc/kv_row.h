@@ -96,4 +96,19 @@ void dispatch_dtypes(at::ScalarType q_type, at::ScalarType kv_type, Body&& body)
   }
 }
 
+// The checks both ops make of out, query and the cache: [T, Hq, D] query rows with a unit last stride,
+// a contiguous [2, num_blocks, block_size, Hkv, R] cache whose rows fit head_dim, whole query-head groups.
+inline void check_query_and_cache(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [T, Hq, D] alike");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D]");
+  const auto kv_type = kv_cache.scalar_type();
+  const bool quantized = kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn;
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) + (quantized ? 4 : 0),
+              "kv_cache rows must be head_dim wide (head_dim + 4, a float32 scale, for int8 / fp8)");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads are not a multiple of KV heads");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a unit last stride");
+  TORCH_CHECK(query.scalar_type() == out.scalar_type(), "query and out dtypes differ");
+}
+
 }  // namespace streamkv

@@ -233,22 +233,14 @@ void decode_kernel(
 // out[B, Hq, D] = softmax(q K^T * scale) V over each sequence's seq_lens[b] cached tokens.
 void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_tables,
                   at::Tensor seq_lens, double scale) {
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [B, Hq, D] alike");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D]");
+  check_query_and_cache(out, query, kv_cache);
   const auto kv_type = kv_cache.scalar_type();
-  const bool quantized = kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn;
-  TORCH_CHECK(kv_cache.size(4) == query.size(2) + (quantized ? 4 : 0),
-              "kv_cache rows must be head_dim wide (head_dim + 4, a float32 scale, for int8 / fp8)");
-  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads are not a multiple of KV heads");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a unit last stride");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) == query.size(0),
               "block_tables must be [B, max_blocks] with unit last stride");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous() && seq_lens.size(0) == query.size(0),
               "seq_lens must be a contiguous [B]");
-  TORCH_CHECK(query.scalar_type() == out.scalar_type(), "query and out dtypes differ");
   TORCH_CHECK(!query.is_cuda() && !kv_cache.is_cuda(), "CPU tensors only");
   dispatch_dtypes(query.scalar_type(), kv_type, [&]<typename q_t, typename kv_t>() {
     decode_kernel<q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale);

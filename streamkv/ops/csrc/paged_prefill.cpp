@@ -307,15 +307,8 @@ std::vector<Task> make_tasks(const int32_t* starts, const int32_t* lens, int64_t
 // out[t, Hq, D] for the rows t of every sequence with query_len > 1: causal attention to its context.
 void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_tables,
                    at::Tensor seq_lens, at::Tensor query_start_loc, double scale) {
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [T, Hq, D] alike");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D]");
+  check_query_and_cache(out, query, kv_cache);
   const auto kv_type = kv_cache.scalar_type();
-  const bool quantized = kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn;
-  TORCH_CHECK(kv_cache.size(4) == query.size(2) + (quantized ? 4 : 0),
-              "kv_cache rows must be head_dim wide (head_dim + 4, a float32 scale, for int8 / fp8)");
-  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads are not a multiple of KV heads");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a unit last stride");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "block_tables, seq_lens and query_start_loc must be int32");
@@ -325,7 +318,6 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous(), "seq_lens must be a contiguous [B]");
   TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.is_contiguous() && query_start_loc.numel() == num_seqs + 1,
               "query_start_loc must be a contiguous [B + 1]");
-  TORCH_CHECK(query.scalar_type() == out.scalar_type(), "query and out dtypes differ");
   TORCH_CHECK(!query.is_cuda() && !kv_cache.is_cuda() && !block_tables.is_cuda(), "CPU tensors only");
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
