@@ -90,3 +90,13 @@ def metric(srv: RunningServer, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise KeyError(name)
+
+
+def create_response(conn: Any, text: str, params: dict[str, Any], previous: str | None = None) -> Any:
+    """Send a raw ``response.create`` (the SDK's create() has no ``ignore_eos``, vLLM's extension) and
+    return its response once completed or incomplete."""
+    previous_id = {"previous_response_id": previous} if previous else {}
+    conn.send({"type": "response.create", "input": text, **params, **previous_id})
+    reply = read_reply(conn)
+    assert reply.final.type in ("response.completed", "response.incomplete"), reply.final
+    return reply.response

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from responses_helpers import client, held_blocks, read_reply, responses_server
+from responses_helpers import client, create_response, held_blocks, responses_server
 from server_harness import RunningServer, connect_chat, wait_for
 from websockets.exceptions import ConnectionClosed
 
@@ -55,12 +55,7 @@ def state_names(snap: dict[str, Any]) -> list[str]:
 
 
 def create(conn: Any, text: str, previous: str | None = None, **fields: Any) -> Any:
-    # a raw event: the SDK's create() has no ignore_eos (vLLM's extension)
-    previous_id = {"previous_response_id": previous} if previous else {}
-    conn.send({"type": "response.create", "input": text, **GREEDY, **fields, **previous_id})
-    reply = read_reply(conn)
-    assert reply.final.type in ("response.completed", "response.incomplete"), reply.final
-    return reply.response
+    return create_response(conn, text, {**GREEDY, **fields}, previous)
 
 
 def test_the_feed_shows_a_chain_by_response_id_turn_by_turn_and_nothing_after_delete(srv: RunningServer) -> None:

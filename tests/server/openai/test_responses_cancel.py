@@ -12,7 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-from responses_helpers import SERVER_EVENT, Reply, client, held_blocks, read_reply, responses_server
+from responses_helpers import SERVER_EVENT, Reply, client, create_response, held_blocks, read_reply, responses_server
 from server_harness import RunningServer, wait_for
 
 from streamkv.model.loader import LoadedModel
@@ -30,12 +30,7 @@ def srv(tiny_model_dir: str, tiny: LoadedModel) -> Iterator[RunningServer]:
 
 
 def create(conn: Any, text: str, previous: str | None = None, **fields: Any) -> Any:
-    # a raw event: the SDK's create() has no ignore_eos (vLLM's extension)
-    previous_id = {"previous_response_id": previous} if previous else {}
-    conn.send({"type": "response.create", "input": text, **GREEDY, **fields, **previous_id})
-    reply = read_reply(conn)
-    assert reply.final.type in ("response.completed", "response.incomplete"), reply.final
-    return reply.response
+    return create_response(conn, text, {**GREEDY, **fields}, previous)
 
 
 def test_a_cancelled_lane_response_is_stored_and_continues_from_exactly_its_tokens(srv: RunningServer) -> None:
