@@ -63,16 +63,28 @@ def test_mixed_batch_decode_rows_take_the_kernel(dtype: torch.dtype) -> None:
     compare(Case([3, 1, 4, 1, 1], [10, 9, 4, 30, 2], 4, 2, 4, 30, "shuffled", seed=5), dtype)
 
 
-def test_query_with_strides_of_the_fused_qkv() -> None:
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "tables", "head_dim", "scale", "atol", "seed"),
+    [
+        ([1, 1], [5, 20], [[3, 0], [1, 2]], 8, 0.3, 1e-6, 0),  # decode rows
+        ([3, 1, 5], [20, 5, 5], [[3, 0], [1], [2]], 64, 0.125, 1e-5, 1),  # chunk rows (and one decode)
+    ],
+    ids=["decode", "chunk"],
+)
+def test_query_with_strides_of_the_fused_qkv(
+    query_lens: list[int], seq_lens: list[int], tables: list[list[int]], head_dim: int, scale: float,
+    atol: float, seed: int,
+) -> None:  # fmt: skip
     # The model hands over q as a view of the fused [T, Hq + Hkv, D] RoPE output.
-    meta = AttentionMetadata.build([1, 1], [5, 20], [[3, 0], [1, 2]], 16)
-    gen = torch.Generator().manual_seed(0)
-    kv = torch.randn(2, 4, 16, 2, 8, generator=gen)
-    qk = torch.randn(2, 6, 8, generator=gen)
-    q, k, v = qk[:, :4], qk[:, 4:], torch.randn(2, 2, 8, generator=gen)
-    ours = cpu_paged.CpuPagedAttention().forward(q, k, v, kv.clone(), meta, 0.3)
-    ref = TorchPagedAttention().forward(q.contiguous(), k.contiguous(), v, kv.clone(), meta, 0.3)
-    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, 16)
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(query_lens)
+    kv = torch.randn(2, 4, 16, 2, head_dim, generator=gen)
+    qk = torch.randn(num_tokens, 6, head_dim, generator=gen)
+    q, k, v = qk[:, :4], qk[:, 4:], torch.randn(num_tokens, 2, head_dim, generator=gen)
+    ours = cpu_paged.CpuPagedAttention().forward(q, k, v, kv.clone(), meta, scale)
+    ref = TorchPagedAttention().forward(q.contiguous(), k.contiguous(), v, kv.clone(), meta, scale)
+    torch.testing.assert_close(ours, ref, atol=atol, rtol=0)
 
 
 def test_kernel_rejects_bad_inputs_clearly() -> None:
@@ -145,18 +157,6 @@ def test_chunk_lengths_and_offsets_across_block_edges(name: str, dtype: torch.dt
 def test_only_one_sequence_with_a_long_chunk(name: str, dtype: torch.dtype, tol: float) -> None:
     # A single chunk: tiles of query rows keep both threads busy; 128-wide heads (register block of 2).
     compare_step(name, dtype, tol, [64], [700], num_heads=8, num_kv_heads=2, head_dim=128)
-
-
-def test_chunk_query_with_strides_of_the_fused_qkv() -> None:
-    # As the model hands q over: a view of the fused [T, Hq + Hkv, D] RoPE output, here for chunk rows.
-    meta = AttentionMetadata.build([3, 1, 5], [20, 5, 5], [[3, 0], [1], [2]], 16)
-    gen = torch.Generator().manual_seed(1)
-    kv = torch.randn(2, 4, 16, 2, 64, generator=gen)
-    qk = torch.randn(9, 6, 64, generator=gen)
-    q, k, v = qk[:, :4], qk[:, 4:], torch.randn(9, 2, 64, generator=gen)
-    ours = cpu_paged.CpuPagedAttention().forward(q, k, v, kv.clone(), meta, 0.125)
-    ref = TorchPagedAttention().forward(q.contiguous(), k.contiguous(), v, kv.clone(), meta, 0.125)
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
 
 
 def test_prefill_op_rejects_bad_inputs_clearly() -> None:
