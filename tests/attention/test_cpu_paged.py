@@ -132,6 +132,15 @@ def compare_step(
 
 
 @pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_decode_rows_every_dtype_and_block_size(name: str, dtype: torch.dtype, tol: float, block_size: int) -> None:
+    # The AVX-512 decode kernel scores keys in runs of up to 16 within a block and prefetches two blocks
+    # ahead: blocks smaller and larger than a run, lengths on, before and past block edges, one-token contexts.
+    seq_lens = [1, 3, 4, 5, 15, 16, 17, 31, 32, 33, 64, 130, 200]
+    compare_step(name, dtype, tol, [1] * len(seq_lens), seq_lens, block_size=block_size, seed=block_size)
+
+
+@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])  # GQA G = 3 and G = 1
 @pytest.mark.parametrize("head_dim", [64, 12])  # the AVX-512 kernel and the portable one
 def test_chunks_over_cached_context_match_the_torch_path(

@@ -115,8 +115,40 @@ void decode_generic(
 }
 
 #if defined(__AVX512F__)
+// The horizontal sums of 16 vectors in one vector: lane k of the result is the sum of v[reduce_slot(k)]'s lanes,
+// so a caller that puts key k's partial dot products in v[reduce_slot(k)] gets key k's score in lane k.
+// Four rounds of shuffles and adds (15 adds) instead of 16 separate horizontal reductions.
+constexpr int reduce_slot(int k) { return 4 * (k % 4) + k / 4; }
+
+inline __m512 reduce16(__m512 v[16]) {
+  __m512 r[8], s[4], t[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes 0-1 keep v[2i]'s partials, lanes 2-3 v[2i+1]'s
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+  for (int i = 0; i < 4; ++i)  // lane k holds 4 partials of v[4i + k]
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xdd));
+  for (int i = 0; i < 2; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+  const __m512d a = _mm512_castps_pd(t[0]), b = _mm512_castps_pd(t[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+// Asks for the rows of one KV head in one block (its K or V half) ahead of their use, into L2: a block's rows
+// of one head are strided by the other heads' rows, and the next block sits anywhere in the pool, which the
+// hardware prefetcher cannot guess. Two blocks ahead, into L2, was measured best (docs/benchmarks.md, "Decode
+// attention prefetch"). A block past the sequence's last token is prefetched whole: harmless, it is in the pool.
+template <typename kv_t>
+inline void prefetch_block(const kv_t* first_row, int64_t rows, int64_t slot_stride, int64_t row_bytes) {
+  const char* p = reinterpret_cast<const char*>(first_row);
+  for (int64_t j = 0; j < rows; ++j, p += slot_stride * sizeof(kv_t))
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
 // The same contract as decode_generic, for head_dim == 16 * C: a task's queries and its
 // accumulators sit in zmm-sized chunks, each K/V row is C loads, exp is vectorised.
+// Pass 1 takes up to 16 keys of one block at a time and sums their dot products with one reduce16;
+// both passes prefetch the next block's rows of their head while they work on this one.
 template <int C, typename q_t, typename kv_t>
 void decode_avx512(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
@@ -131,6 +163,7 @@ void decode_avx512(
   const int64_t o_stride_s = out.stride(0), o_stride_h = out.stride(1);
   const int64_t bt_stride = block_tables.stride(0);
   const int64_t row = kv_cache.size(4);
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(kv_t));
   const int64_t slot_stride = num_kv_heads * row;
   const int64_t block_stride = block_size * slot_stride;
   const int64_t v_offset = kv_cache.stride(0);
@@ -142,7 +175,7 @@ void decode_avx512(
   const int32_t* len_ptr = seq_lens.data_ptr<int32_t>();
   int64_t max_len = 0;
   for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max<int64_t>(max_len, len_ptr[b]);
-  const int64_t padded_len = (max_len + 15) / 16 * 16;
+  const int64_t padded_len = (max_len + 15) / 16 * 16 + 16;
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512> q(group * C), acc(group * C);
@@ -152,6 +185,9 @@ void decode_avx512(
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = len_ptr[b];
       const int32_t* table = bt_ptr + b * bt_stride;
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      // Row of this head at slot 0 of logical block j (K half; add v_offset for V).
+      auto block_row = [&](int64_t j) { return kv_ptr + table[j] * block_stride + h * row; };
       for (int64_t g = 0; g < group; ++g) {
         const q_t* src = q_ptr + b * q_stride_s + (h * group + g) * q_stride_h;
         alignas(64) float tmp[head_dim];
@@ -159,18 +195,37 @@ void decode_avx512(
         for (int c = 0; c < C; ++c) q[g * C + c] = _mm512_load_ps(tmp + 16 * c);
         for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
       }
-      // Pass 1: scores[g, p] = q_g . k_p, block by block through the table.
-      for (int64_t p = 0; p < len; ++p) {
-        const kv_t* k = kv_ptr + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * row;
-        const float ks = row_scale(k, head_dim);
-        __m512 kr[C];
-        for (int c = 0; c < C; ++c) kr[c] = load16(k + 16 * c);
-        for (int64_t g = 0; g < group; ++g) {
-          __m512 s = _mm512_mul_ps(q[g * C], kr[0]);
-          for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[g * C + c], kr[c], s);
-          scores[g * padded_len + p] = _mm512_reduce_add_ps(s) * ks;
+      // Pass 1: scores[g, p] = q_g . k_p, up to 16 keys of a block at a time.
+      if (num_blocks > 1) prefetch_block(block_row(1), block_size, slot_stride, row_bytes);
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const kv_t* base = block_row(j);
+        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), block_size, slot_stride, row_bytes);
+        const int64_t block_len = std::min(block_size, len - j * block_size);
+        for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
+          const int64_t n = std::min<int64_t>(16, block_len - k0);
+          const int64_t p0 = j * block_size + k0;  // scores past p0 + n are scratch, overwritten or unread
+          alignas(64) float ks[16];
+          for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * slot_stride, head_dim) : 0.f;
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 part[16];
+            for (int k = 0; k < 16; ++k) {
+              if (k >= n) {
+                part[reduce_slot(k)] = _mm512_setzero_ps();
+                continue;
+              }
+              const kv_t* key = base + (k0 + k) * slot_stride;
+              __m512 s = _mm512_mul_ps(q[g * C], load16(key));
+              for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[g * C + c], load16(key + 16 * c), s);
+              part[reduce_slot(k)] = s;
+            }
+            __m512 sc = reduce16(part);
+            if constexpr (is_quantized<kv_t>) sc = _mm512_mul_ps(sc, _mm512_load_ps(ks));
+            _mm512_storeu_ps(&scores[g * padded_len + p0], sc);
+          }
         }
       }
+      prefetch_block(block_row(0) + v_offset, std::min(block_size, len), slot_stride, row_bytes);
+      if (num_blocks > 1) prefetch_block(block_row(1) + v_offset, block_size, slot_stride, row_bytes);
       // Softmax per query head; lanes past len are masked out of max, exp and sum.
       for (int64_t g = 0; g < group; ++g) {
         float* s = &scores[g * padded_len];
@@ -189,16 +244,21 @@ void decode_avx512(
         }
         inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum16);
       }
-      // Pass 2: acc_g += softmax_gp * v_p.
-      for (int64_t p = 0; p < len; ++p) {
-        const kv_t* v =
-            kv_ptr + v_offset + table[p / block_size] * block_stride + (p % block_size) * slot_stride + h * row;
-        const float vs = row_scale(v, head_dim);
-        __m512 vr[C];
-        for (int c = 0; c < C; ++c) vr[c] = load16(v + 16 * c);
-        for (int64_t g = 0; g < group; ++g) {
-          const __m512 w = _mm512_set1_ps(scores[g * padded_len + p] * vs);
-          for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_fmadd_ps(w, vr[c], acc[g * C + c]);
+      // Pass 2: acc_g += softmax_gp * v_p, block by block.
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const kv_t* base = block_row(j) + v_offset;
+        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2) + v_offset, block_size, slot_stride, row_bytes);
+        const int64_t block_len = std::min(block_size, len - j * block_size);
+        for (int64_t k = 0; k < block_len; ++k) {
+          const kv_t* v = base + k * slot_stride;
+          const int64_t p = j * block_size + k;
+          const float vs = row_scale(v, head_dim);
+          __m512 vr[C];
+          for (int c = 0; c < C; ++c) vr[c] = load16(v + 16 * c);
+          for (int64_t g = 0; g < group; ++g) {
+            const __m512 w = _mm512_set1_ps(scores[g * padded_len + p] * vs);
+            for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_fmadd_ps(w, vr[c], acc[g * C + c]);
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
