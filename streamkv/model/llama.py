@@ -31,7 +31,7 @@ from torch import nn
 
 from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
-from streamkv.model.linear import Linear, pack_linear_weight
+from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS, Linear, pack_linear_weight, small_linear
 from streamkv.model.rope import RopeScaling, apply_rope, read_rope, rope_inv_freq, rope_tables
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -135,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
         self.packed_lm_head: torch.Tensor | None = None
+        self.small_lm_head: torch.Tensor | None = None
+        self.small_ops: ModuleType | None = None
         self.max_positions = max_positions or config.max_position_embeddings
         # Filled by reset_rope() once the weights are in (the loader calls it).
         self.register_buffer("rope_cos", torch.empty(self.max_positions, config.head_dim), persistent=False)
@@ -187,7 +189,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (rows that sample) -> float32 logits ``[N, vocab_size]``."""
-        if self.packed_lm_head is not None:
+        if self.small_ops is not None and hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS:
+            logits = small_linear(self.small_ops, hidden, self.small_lm_head, None, self.config.vocab_size)
+        elif self.packed_lm_head is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_lm_head, None, "none", [], "")
         else:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head
@@ -215,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         return ops is not None
 
     @torch.no_grad()
-    def prepack_cpu_weights(self, batch_size_hint: int = 32) -> bool:
+    def prepack_cpu_weights(self, batch_size_hint: int = 32, small_ops: ModuleType | None = None) -> bool:
         """Move every matmul onto oneDNN-prepacked weights (see :class:`Linear`).
 
         CPU only; one-way (dense projection weights are released; a tied
@@ -225,6 +229,9 @@ class LlamaForCausalLM(nn.Module):
         Args:
             batch_size_hint: rows per matmul the packed layout is tuned for
                 (any row count works).
+            small_ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module: matmuls of up to
+                ``SMALL_LINEAR_MAX_ROWS`` rows (decode steps) then run on its kernel, from a
+                second packed copy of each weight (float32 and bfloat16 only).
 
         Returns:
             False, changing nothing, when oneDNN is unavailable or cannot take
@@ -237,10 +244,15 @@ class LlamaForCausalLM(nn.Module):
             packed_head = pack_linear_weight(head, batch_size_hint)
         except RuntimeError:
             return False
+        if head.dtype not in FUSED_DTYPES:
+            small_ops = None
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack(batch_size_hint)
+                module.prepack(batch_size_hint, small_ops)
         self.packed_lm_head = packed_head
+        if small_ops is not None:
+            self.small_lm_head = small_ops.pack_small_linear(head.detach().contiguous())
+            self.small_ops = small_ops
         if self.lm_head is not None:
             self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
         return True

@@ -173,7 +173,9 @@ def from_hf(
         dtype: our model's dtype.
         device: where our model lives.
         prepack: on the CPU, run matmuls on oneDNN-prepacked weights
-            (:meth:`LlamaForCausalLM.prepack_cpu_weights`; 1.3-2.5x faster).
+            (:meth:`LlamaForCausalLM.prepack_cpu_weights`; 1.3-2.5x faster), and
+            in float32 or bfloat16 those of decode-sized batches on the
+            small-batch kernel (``streamkv.model.linear``) when it builds.
         fused: on the CPU in float32 or bfloat16, run residual add + RMSNorm,
             SiLU-and-mul and RoPE as the fused C++ ops
             (:meth:`LlamaForCausalLM.use_fused_ops`) when they build; the
@@ -197,7 +199,12 @@ def from_hf(
         model = LlamaForCausalLM(config, max_positions=max_model_len)
     load_hf_weights(model, hf_model.state_dict(), dtype=dtype, device=device)
     model.eval()
-    if prepack and device.type == "cpu" and not model.prepack_cpu_weights():
+    small_ops = None
+    if prepack and device.type == "cpu" and dtype in FUSED_DTYPES:
+        from streamkv.ops.cpu_ops import load_linear_ops  # builds on first use; None (logged) when it cannot
+
+        small_ops = load_linear_ops()
+    if prepack and device.type == "cpu" and not model.prepack_cpu_weights(small_ops=small_ops):
         logger.info("oneDNN cannot take %s weights on this CPU; matmuls use torch's default path", dtype)
     if fused and device.type == "cpu" and dtype in FUSED_DTYPES:
         from streamkv.ops.cpu_ops import load_fused_ops  # builds on first use; None (logged) when it cannot

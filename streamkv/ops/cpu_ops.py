@@ -1,9 +1,11 @@
-"""Build and load the C++ CPU ops in ``csrc/``: paged decode and prefill attention, fused layer ops.
+"""Build and load the C++ CPU ops in ``csrc/``: paged decode and prefill attention, fused layer ops, small-batch linear.
 
-Two extensions, built and loaded independently so one that fails to build
+Three extensions, built and loaded independently so one that fails to build
 costs only its own fast path: ``streamkv_cpu_ops`` (``paged_attention.cpp`` and ``paged_prefill.cpp``,
-:func:`load_cpu_ops`) and ``streamkv_fused_ops`` (``fused_layers.cpp``:
-residual add + RMSNorm, SiLU-and-mul, RoPE; :func:`load_fused_ops`).
+:func:`load_cpu_ops`), ``streamkv_fused_ops`` (``fused_layers.cpp``:
+residual add + RMSNorm, SiLU-and-mul, RoPE; :func:`load_fused_ops`) and
+``streamkv_linear_ops`` (``small_linear.cpp``: the matmuls of decode steps;
+:func:`load_linear_ops`).
 
 The extension is JIT-compiled by :func:`torch.utils.cpp_extension.load` with
 ``-O3 -march=native -fopenmp`` into a per-user cache folder
@@ -42,6 +44,8 @@ SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "paged_prefill.cpp")
 HEADERS = (_CSRC / "kv_row.h", _CSRC / "kv_tile.h", _CSRC / "simd_math.h")
 FUSED_EXTENSION_NAME = "streamkv_fused_ops"
 FUSED_SOURCES = (_CSRC / "fused_layers.cpp",)
+LINEAR_EXTENSION_NAME = "streamkv_linear_ops"
+LINEAR_SOURCES = (_CSRC / "small_linear.cpp",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
@@ -69,6 +73,22 @@ def load_fused_ops() -> ModuleType | None:
     """
     # Its own folder: cpp_extension keeps one build.ninja per folder.
     return _build(FUSED_EXTENSION_NAME, FUSED_SOURCES, build_directory() / "fused", "the torch layer ops")
+
+
+@functools.cache
+def load_linear_ops() -> ModuleType | None:
+    """The small-batch linear op (``pack_small_linear``, ``small_linear``); ``None`` when unbuildable or unsupported.
+
+    It needs AVX-512 with AVX512-BF16 (``small_linear_supported()`` of the
+    build); on other CPUs the oneDNN matmul runs every batch. Cached for the
+    process like :func:`load_cpu_ops`.
+    """
+    folder = build_directory() / f"linear-{_source_digest(LINEAR_SOURCES)}"
+    module = _build(LINEAR_EXTENSION_NAME, LINEAR_SOURCES, folder, "oneDNN for every matmul")
+    if module is not None and not module.small_linear_supported():
+        logger.info("streamkv small-batch linear needs AVX-512 BF16; oneDNN runs every matmul")
+        return None
+    return module
 
 
 def _source_digest(paths: tuple[Path, ...]) -> str:
@@ -110,6 +130,9 @@ def main() -> int:
     print(f"streamkv CPU ops: {'built' if ok else 'NOT built (the torch attention path will run)'}", file=sys.stderr)
     fused = load_fused_ops() is not None
     print(f"streamkv fused ops: {'built' if fused else 'NOT built (the torch layer ops will run)'}", file=sys.stderr)
+    linear = load_linear_ops() is not None
+    state = "built" if linear else "NOT used (oneDNN runs every matmul)"
+    print(f"streamkv small-batch linear: {state}", file=sys.stderr)
     return 0
 
 

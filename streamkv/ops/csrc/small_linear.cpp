@@ -1,0 +1,203 @@
+// y = x W^T (+ b) for the few rows of a decode step, streaming W once at memory speed (CPU, fp32 / bf16).
+//
+// A decode step's matmuls have M = batch rows against weights of N x K: at M <= 8 they are bound by the
+// bytes of W, not by FLOPs. oneDNN's packed matmul reaches ~18-20 GB/s on them on the 2-core EPYC where a
+// plain read of memory reaches ~26 (docs/benchmarks.md, "Small-batch linear"). This kernel reads W in a
+// layout made for that stream:
+//
+//   fp32:  packed [N/16, K, 16]        packed[nb, k, j] = W[16 nb + j, k]
+//   bf16:  packed [N/16, K/2, 16, 2]   packed[nb, e, j, i] = W[16 nb + j, 2 e + i]   (vdpbf16ps pairs)
+//          (N padded to a multiple of 16 and K to a multiple of 2 with zeros)
+//
+// so the 16 outputs of a column block are one zmm, each step of k is one contiguous 64-byte load used by
+// every row of x, and a thread walks its column blocks front to back. Rows of x go 8 at a time (8 zmm
+// accumulators per column block, two column blocks at once); past 8 rows the same weights are read
+// again, from L2.
+//
+// Numerics: fp32 accumulates every product in fp32 (k ascending); bf16 multiplies bf16 pairs exactly and
+// accumulates in fp32 (vdpbf16ps), then rounds to bf16 once, round-to-nearest-even: the contract of
+// oneDNN's bf16 matmul, with another summation order. The bias is added in fp32 before that rounding.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t LANES = 16;  // outputs per column block
+constexpr int64_t ROWS = 8;    // rows of x per pass over a column block
+
+int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// 16 fp32 lanes -> 16 bf16, round-to-nearest-even, NaN kept NaN (c10::BFloat16's rule).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// Column blocks [nb0, nb1) for rows [m0, m0 + rows) of x; NB column blocks per pass (1 or 2).
+template <typename T, int NB>
+inline void column_blocks(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* packed, const float* bias,
+                          int64_t m0, int64_t rows, int64_t nb, int64_t n, int64_t k_steps) {
+  // k_steps: K for fp32, K/2 (pairs) for bf16; one step = one 64-byte load per column block.
+  __m512 acc[NB][ROWS];
+  for (int c = 0; c < NB; ++c)
+    for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm512_setzero_ps();
+  const T* w[NB];
+  for (int c = 0; c < NB; ++c) w[c] = packed + (nb + c) * k_steps * LANES * (std::is_same_v<T, float> ? 1 : 2);
+  const T* xr[ROWS];
+  for (int r = 0; r < ROWS; ++r) xr[r] = x + (m0 + std::min<int64_t>(r, rows - 1)) * x_stride;
+  for (int64_t s = 0; s < k_steps; ++s) {
+    __m512 wv[NB];
+    for (int c = 0; c < NB; ++c) {
+      const char* p = reinterpret_cast<const char*>(w[c]) + s * 64;
+      _mm_prefetch(p + 1024, _MM_HINT_T0);
+      wv[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      if (r >= rows) break;
+      __m512 xv;
+      if constexpr (std::is_same_v<T, float>) {
+        xv = _mm512_set1_ps(xr[r][s]);
+      } else {
+        int32_t pair;
+        std::memcpy(&pair, xr[r] + 2 * s, sizeof(pair));
+        xv = _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+      }
+      for (int c = 0; c < NB; ++c) {
+        if constexpr (std::is_same_v<T, float>) {
+          acc[c][r] = _mm512_fmadd_ps(xv, wv[c], acc[c][r]);
+        } else {
+          acc[c][r] = _mm512_dpbf16_ps(acc[c][r], (__m512bh)xv, (__m512bh)wv[c]);
+        }
+      }
+    }
+  }
+  for (int c = 0; c < NB; ++c) {
+    const int64_t col = (nb + c) * LANES;
+    const int64_t live = std::min<int64_t>(LANES, n - col);
+    const __mmask16 mask = live >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) {
+      if (r >= rows) break;
+      const __m512 v = _mm512_add_ps(acc[c][r], b);
+      T* dst = y + (m0 + r) * y_stride + col;
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_mask_storeu_ps(dst, mask, v);
+      } else {
+        _mm256_mask_storeu_epi16(dst, mask, to_bf16(v));
+      }
+    }
+  }
+}
+
+template <typename T>
+void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+  const int64_t m = x.size(0);
+  const int64_t num_blocks = packed.size(0);
+  const int64_t k_steps = packed.size(1);  // K (fp32) or K / 2 (bf16 pairs)
+  const T* xp = x.data_ptr<T>();
+  T* yp = out.data_ptr<T>();
+  const T* wp = packed.data_ptr<T>();
+  const int64_t pairs = (num_blocks + 1) / 2;
+  // Each task is a pair of column blocks; contiguous ranges of pairs per thread keep each stream sequential.
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t nb = 2 * pair;
+      for (int64_t m0 = 0; m0 < m; m0 += ROWS) {
+        const int64_t rows = std::min(ROWS, m - m0);
+        if (nb + 1 < num_blocks)
+          column_blocks<T, 2>(xp, x.stride(0), yp, out.stride(0), wp, bias, m0, rows, nb, n, k_steps);
+        else
+          column_blocks<T, 1>(xp, x.stride(0), yp, out.stride(0), wp, bias, m0, rows, nb, n, k_steps);
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+bool small_linear_supported() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// weight [N, K] (fp32 or bf16) -> the packed layout above (same dtype).
+at::Tensor pack_small_linear(const at::Tensor& weight) {
+  TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512 with AVX512-BF16");
+  TORCH_CHECK(weight.dim() == 2 && !weight.is_cuda(), "weight must be a CPU [N, K]");
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "weight must be float32 or bfloat16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t np = padded(n, LANES);
+  if (dtype == at::kFloat) {
+    at::Tensor w = at::zeros({np, k}, weight.options());
+    w.narrow(0, 0, n).copy_(weight);
+    return w.view({np / LANES, LANES, k}).transpose(1, 2).contiguous();  // [N/16, K, 16]
+  }
+  const int64_t kp = padded(k, 2);
+  at::Tensor w = at::zeros({np, kp}, weight.options());
+  w.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  // [N/16, 16, K/2, 2] -> [N/16, K/2, 16, 2]
+  return w.view({np / LANES, LANES, kp / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({np / LANES, kp / 2, 2 * LANES});
+}
+
+// out [M, N] = x [M, K] @ W^T (+ bias [N], fp32 or the weight's dtype), W given packed; N = out.size(1).
+void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512 with AVX512-BF16");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(packed.scalar_type() == dtype && out.scalar_type() == dtype, "x, packed and out dtypes differ");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
+              "x and out must be [M, K] and [M, N] with unit last strides");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == LANES * (dtype == at::kFloat ? 1 : 2),
+              "packed must come from pack_small_linear");
+  const int64_t n = out.size(1), k = x.size(1);
+  TORCH_CHECK(packed.size(0) == padded(n, LANES) / LANES, "packed has ", packed.size(0) * LANES, " columns for N = ", n);
+  TORCH_CHECK(dtype == at::kFloat ? packed.size(1) == k : packed.size(1) == padded(k, 2) / 2,
+              "packed was made for another K than ", k);
+  TORCH_CHECK(dtype == at::kFloat || k % 2 == 0, "bf16 x needs an even K");
+  at::Tensor b32;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [N]");
+    b32 = bias->to(at::kFloat).contiguous();
+    bp = b32.data_ptr<float>();
+  }
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (dtype == at::kFloat)
+    run<float>(out, x, packed, bp, n);
+  else
+    run<at::BFloat16>(out, x, packed, bp, n);
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_linear_supported", &small_linear_supported, "whether this build has the AVX-512 BF16 kernels");
+  m.def("pack_small_linear", &pack_small_linear, "pack a [N, K] weight for small_linear");
+  m.def("small_linear", &small_linear, "out = x @ W^T (+ bias) for few rows, W packed (CPU, fp32/bf16)",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+}

@@ -1,0 +1,108 @@
+"""The small-batch linear op (``streamkv/ops/csrc/small_linear.cpp``) against torch's matmul, and the layer's dispatch.
+
+fp32 must match ``F.linear`` to a few fp32 ulps of the dot products (another
+summation order); bf16 must match the fp32 product of the same bf16 inputs
+rounded once to bf16, to within one bf16 ulp (the order of the fp32 sums can
+move a rounding by one step). Shapes cover column tails (N not a multiple of
+16), odd pairs of columns, K tails, biases, strided rows of x, and row counts
+on both sides of every internal block (8 rows per pass, 2 column blocks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS, Linear, small_linear
+from streamkv.ops.cpu_ops import load_linear_ops
+
+ops = load_linear_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="the small-batch linear op cannot be built or run here")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+def assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    want = reference(x, w, b)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    if x.dtype == torch.float32:
+        scale = (x.double().abs() @ w.double().abs().T).max().item()
+        torch.testing.assert_close(got.double(), want, atol=1e-6 * scale, rtol=0)
+    else:
+        # One bf16 ulp of the exact value (2^-7 relative, from its exponent), plus the fp32 sums' drift.
+        ulp = torch.pow(2.0, torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+        assert ((got.double() - want).abs() <= ulp + 1e-5).all(), f"max |diff| {(got.double() - want).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(960, 576), (16, 64), (17, 64), (33, 10), (50, 34), (1, 2), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64])
+def test_matches_the_matmul(dtype: torch.dtype, n: int, k: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    packed = ops.pack_small_linear(w)
+    for bias in (None, b):
+        out = torch.full((rows, n), float("nan"), dtype=dtype)
+        ops.small_linear(out, x, packed, bias)
+        assert_close(out, x, w, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows_of_x_and_out(dtype: torch.dtype) -> None:
+    # The attention output reshaped, a slice of a wider buffer: rows with a stride other than K.
+    w = torch.randn(40, 32).to(dtype)
+    wide = torch.randn(5, 48).to(dtype)
+    x = wide[:, 8:40]
+    out_buf = torch.full((5, 64), float("nan"), dtype=dtype)
+    out = out_buf[:, 4:44]
+    ops.small_linear(out, x, ops.pack_small_linear(w), None)
+    assert_close(out, x, w, None)
+    assert out_buf[:, :4].isnan().all() and out_buf[:, 44:].isnan().all()  # nothing written past its columns
+
+
+def test_bad_arguments_raise() -> None:
+    w = torch.randn(32, 16)
+    packed = ops.pack_small_linear(w)
+    with pytest.raises(RuntimeError, match="another K"):
+        ops.small_linear(torch.empty(1, 32), torch.randn(1, 8), packed, None)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.small_linear(torch.empty(1, 48), torch.randn(1, 16), packed, None)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        ops.small_linear(torch.empty(1, 32), torch.randn(1, 16).bfloat16(), packed, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.small_linear(torch.empty(1, 32), torch.randn(1, 16), packed, torch.zeros(31))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.pack_small_linear(w.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True).to(dtype)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.prepack(32, ops)
+    assert layer.weight.numel() == 0 and layer.small_weight is not None
+    calls = []
+    real = layer.small_ops
+
+    class Spy:
+        def small_linear(self, *args: object) -> None:
+            calls.append(args[1].shape[0])
+            real.small_linear(*args)
+
+    layer.small_ops = Spy()  # type: ignore[assignment]
+    for rows in (1, SMALL_LINEAR_MAX_ROWS, SMALL_LINEAR_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 64).to(dtype)
+        assert_close(layer(x), x, w, b)
+    assert calls == [1, SMALL_LINEAR_MAX_ROWS]
+
+
+def test_helper_copies_rows_without_a_unit_stride() -> None:
+    w = torch.randn(20, 8)
+    x = torch.randn(8, 3).T  # [3, 8], column-major
+    assert_close(small_linear(ops, x, ops.pack_small_linear(w), None, 20), x, w, None)
