@@ -27,7 +27,9 @@ measured with ``load_tests/bench_chunk_attention.py`` (docs/benchmarks.md,
 than on SDPA's causal flash path (1.4x in fp32, 1.6x in bf16, one thread,
 loaded machine), so there is no case left for the torch path to win.
 
-The KV write stays the torch one (``write_kv``). When the op cannot be built,
+The KV write of an unquantized cache is one C++ copy per token (``write_kv`` in
+the op set; the torch path's two ``index_copy_`` calls cost ~20 us a layer at a
+few tokens); quantized caches keep the torch write (``kv_layout.write_kv``). When the op cannot be built,
 the engine never picks this backend (see :func:`cpu_ops_available`).
 """
 
@@ -44,6 +46,8 @@ _KERNEL_DTYPES = frozenset(
     {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)}
     | {(q, kv) for q in (torch.float32, torch.bfloat16) for kv in (torch.int8, torch.float8_e4m3fn)}
 )
+
+_WRITE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
 def cpu_ops_available() -> bool:
@@ -65,6 +69,24 @@ class CpuPagedAttention(TorchPagedAttention):
         if ops is None:
             raise RuntimeError("the streamkv CPU ops could not be built; use the torch attention backend")
         self._ops = ops
+
+    def write(self, kv_cache: torch.Tensor, meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor) -> None:
+        """See :meth:`TorchPagedAttention.write`; one C++ copy per token for an unquantized cache of K/V's dtype.
+
+        Quantized caches and other layouts take the torch path (``write_kv``).
+
+        Raises:
+            RuntimeError: a slot outside the pool (the op checks every slot before it writes).
+        """
+        if (
+            kv_cache.dtype == key.dtype == value.dtype
+            and kv_cache.dtype in _WRITE_DTYPES
+            and key.stride(1) == value.stride(1) == key.shape[2]
+            and key.stride(2) == value.stride(2) == 1
+        ):
+            self._ops.write_kv(kv_cache, key, value, meta.slot_mapping)
+            return
+        super().write(kv_cache, meta, key, value)
 
     def prefill(
         self,

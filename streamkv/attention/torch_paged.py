@@ -67,7 +67,7 @@ class TorchPagedAttention(AttentionBackend):
         num_kv_heads = key.shape[1]
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-        write_kv(kv_cache, meta.slot_mapping, key, value)
+        self.write(kv_cache, meta, key, value)
 
         if meta.is_pure_decode:
             return self.decode(
@@ -79,6 +79,13 @@ class TorchPagedAttention(AttentionBackend):
             self._decode_subset(out, query, kv_cache, meta, meta.decode_seqs, scale)
         self.prefill(out, query, key, value, kv_cache, meta, scale)
         return out
+
+    def write(self, kv_cache: torch.Tensor, meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write this step's ``key`` / ``value`` ``[T, Hkv, D]`` into ``kv_cache`` at ``meta.slot_mapping``.
+
+        Subclasses replace this (the C++ CPU backend), as they do :meth:`decode` and :meth:`prefill`.
+        """
+        write_kv(kv_cache, meta.slot_mapping, key, value)
 
     def prefill(
         self,

@@ -217,3 +217,15 @@ def test_bf16_prefill_error_no_worse_than_the_torch_bf16_path() -> None:
     our_err = (ours.float() - ref).abs()
     assert float(our_err.mean()) <= 1.2 * float(torch_err.mean())
     assert float(our_err.max()) <= 1.5 * float(torch_err.max())
+
+
+def test_write_kv_refuses_a_slot_outside_the_pool_before_writing_any() -> None:
+    ops = cpu_paged.load_cpu_ops()
+    kv = torch.zeros(2, 2, 4, 3, 8)  # 8 slots
+    key, value = torch.ones(2, 3, 8), torch.full((2, 3, 8), 2.0)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.write_kv(kv, key, value, torch.tensor([1, 8]))
+    assert not kv.any()  # the first, valid slot was not written either
+    ops.write_kv(kv, key, value, torch.tensor([7, 0]))
+    flat = kv.view(2, 8, 3, 8)
+    assert (flat[0, [7, 0]] == 1).all() and (flat[1, [7, 0]] == 2).all() and not flat[:, 1:7].any()
