@@ -54,8 +54,9 @@ def sample_batch(
     greedy = [i for i, p in enumerate(params) if p.greedy]
     out = [0] * len(params)
     if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
-        for i, tok in zip(greedy, torch.argmax(logits[idx], dim=-1).tolist(), strict=True):
+        # All rows greedy (the common batch): no gathered copy of the [N, vocab] logits first.
+        rows = logits if len(greedy) == len(params) else logits[torch.tensor(greedy, device=logits.device)]
+        for i, tok in zip(greedy, torch.argmax(rows, dim=-1).tolist(), strict=True):
             out[i] = tok
     for i, p in enumerate(params):
         if not p.greedy:
