@@ -26,6 +26,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from streamkv.config import ModelConfig
+from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS, Linear
 from streamkv.model.llama import FUSED_DTYPES, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import resolve_dtype
 
@@ -206,6 +207,14 @@ def from_hf(
         small_ops = load_linear_ops()
     if prepack and device.type == "cpu" and not model.prepack_cpu_weights(small_ops=small_ops):
         logger.info("oneDNN cannot take %s weights on this CPU; matmuls use torch's default path", dtype)
+    elif model.small_ops is not None:
+        packed = [m.small_weight for m in model.modules() if isinstance(m, Linear)] + [model.small_lm_head]
+        extra = sum(t.nbytes for t in packed if t is not None)
+        logger.info(
+            "small-batch linear kernel for matmuls of <= %d rows (decode steps): %.0f MiB of weights packed for it",
+            SMALL_LINEAR_MAX_ROWS,
+            extra / 2**20,
+        )
     if fused and device.type == "cpu" and dtype in FUSED_DTYPES:
         from streamkv.ops.cpu_ops import load_fused_ops  # builds on first use; None (logged) when it cannot
 
