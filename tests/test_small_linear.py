@@ -106,3 +106,12 @@ def test_helper_copies_rows_without_a_unit_stride() -> None:
     w = torch.randn(20, 8)
     x = torch.randn(8, 3).T  # [3, 8], column-major
     assert_close(small_linear(ops, x, ops.pack_small_linear(w), None, 20), x, w, None)
+
+
+def test_bench_small_linear_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    from load_tests import bench_small_linear
+
+    assert bench_small_linear.main(["--rows", "1,9", "--dtypes", "bfloat16", "--rounds", "1", "--layers", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| bfloat16 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["1", "9"]
+    assert all(float(r.split("|")[7].strip().rstrip("x")) > 0 for r in rows)

@@ -1,0 +1,115 @@
+"""A decode step's matmuls: oneDNN's packed matmul against the small-batch kernel, by rows, on SmolLM2's shapes.
+
+Every projection of the 30 layers (qkv 960 x 576, o 576 x 576, gate_up 3072 x
+576, down 576 x 1536, each with its own weight, so the weights stream from
+memory as in a decode step) plus the LM head (49152 x 576), for M rows of x.
+Both kernels run interleaved, the best of ``--rounds`` per kernel is printed
+with the weight bytes it streamed per second; the first line is a plain read
+of a 512 MiB tensor (``torch.sum``), the machine's reference bandwidth.
+
+    .venv/bin/python -m load_tests.bench_small_linear                       # 2 threads, M = 1 .. 128
+    .venv/bin/python -m load_tests.bench_small_linear --rows 1,8 --dtypes bfloat16 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from streamkv.ops.cpu_ops import load_linear_ops  # noqa: E402
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+LAYERS = 30
+
+
+def read_bandwidth() -> float:
+    """GB/s of ``torch.sum`` over 512 MiB of float32 (best of 5)."""
+    x = torch.ones(128 * 2**20)
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(5))
+    return x.nbytes / best / 1e9
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def time_rows(
+    ops: ModuleType,
+    onednn: dict[str, list[torch.Tensor]],
+    small: dict[str, list[torch.Tensor]],
+    rows: int,
+    dtype: torch.dtype,
+    rounds: int,
+) -> tuple[float, float]:
+    """Best seconds of (oneDNN, small_linear) over every weight, ``rows`` rows of x, interleaved rounds."""
+    xs = {s: torch.randn(rows, dims[1]).to(dtype) for s, dims in SHAPES.items()}
+    outs = {s: torch.empty(rows, dims[0], dtype=dtype) for s, dims in SHAPES.items()}
+
+    def run_onednn() -> None:
+        for s, packed in onednn.items():
+            for p in packed:
+                torch.ops.mkldnn._linear_pointwise(xs[s], p, None, "none", [], "")
+
+    def run_small() -> None:
+        for s, packed in small.items():
+            for p in packed:
+                ops.small_linear(outs[s], xs[s], p)
+
+    run_onednn()
+    run_small()
+    onednn_s, small_s = [], []
+    for _ in range(rounds):  # interleaved, so load drifts hit both alike
+        onednn_s.append(_timed(run_onednn))
+        small_s.append(_timed(run_small))
+    return min(onednn_s), min(small_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128", help="comma-separated M values")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=LAYERS, help="weights per projection shape (30 in SmolLM2)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ops = load_linear_ops()
+    if ops is None:
+        print("the small-batch linear op is not available here (needs AVX-512 BF16 and a compiler)")
+        return 1
+    print(f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, read bandwidth {read_bandwidth():.1f} GB/s")
+    print("| dtype | rows | oneDNN ms | oneDNN GB/s | small_linear ms | small_linear GB/s | speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        weights = {
+            shape: [torch.randn(*dims).to(dtype) for _ in range(1 if shape == "lm_head" else args.layers)]
+            for shape, dims in SHAPES.items()
+        }
+        onednn = {s: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws] for s, ws in weights.items()}
+        small = {s: [ops.pack_small_linear(w) for w in ws] for s, ws in weights.items()}
+        nbytes = sum(w.nbytes for ws in weights.values() for w in ws)
+        del weights
+        for rows in (int(r) for r in args.rows.split(",")):
+            a, b = time_rows(ops, onednn, small, rows, dtype, args.rounds)
+            print(
+                f"| {name} | {rows} | {a * 1e3:.2f} | {nbytes / a / 1e9:.1f} | {b * 1e3:.2f} | {nbytes / b / 1e9:.1f} "
+                f"| {a / b:.2f}x |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
