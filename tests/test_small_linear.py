@@ -96,10 +96,11 @@ def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(dtype: to
             real.small_linear(*args)
 
     layer.small_ops = Spy()  # type: ignore[assignment]
-    for rows in (1, SMALL_LINEAR_MAX_ROWS, SMALL_LINEAR_MAX_ROWS + 1, 300):
+    most = SMALL_LINEAR_MAX_ROWS[dtype]
+    for rows in (1, most, most + 1, 300):
         x = torch.randn(rows, 64).to(dtype)
         assert_close(layer(x), x, w, b)
-    assert calls == [1, SMALL_LINEAR_MAX_ROWS]
+    assert calls == [1, most]
 
 
 def test_helper_copies_rows_without_a_unit_stride() -> None:

@@ -10,10 +10,11 @@ A decode step's matmuls have one row per sequence, and up to a few dozen rows
 they are bound by the bytes of the weight. There oneDNN streams the weight at
 15-19 GB/s on the 2-core EPYC where ``small_linear`` (``streamkv/ops/csrc/small_linear.cpp``,
 its own packed copy of the weight) streams it at 21-24 GB/s: 1.3-1.6x faster
-at 1-8 rows, even at 32-64 rows, slower past them (docs/benchmarks.md,
-"Small-batch linear"). So rows <= :data:`SMALL_LINEAR_MAX_ROWS` take it and
-larger batches (prefill chunks) take oneDNN; the price is a second copy of
-every projection weight in memory.
+at 1-8 rows, and on par with it up to 32 (fp32) or 64 (bf16) rows, slower
+past them (docs/benchmarks.md, "Small-batch linear"). So batches up to
+:data:`SMALL_LINEAR_MAX_ROWS` for their dtype take it and larger ones
+(prefill chunks) take oneDNN; the price is a second copy of every
+projection weight in memory.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_LINEAR_MAX_ROWS = 64  # the measured crossover: at 64 rows both kernels take the same time
+# The measured crossovers (load_tests/bench_small_linear.py, quiet, 2 threads): bf16 is on par with oneDNN at
+# 64 rows (1.01x) and behind at 128 (0.97x); fp32 is on par at 32 (0.98x) and behind at 64 (0.93x).
+SMALL_LINEAR_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 64}
 
 
 class Linear(nn.Linear):
@@ -42,7 +45,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` -> ``[N, out]``."""
-        if self.small_ops is not None and x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
+        if self.small_ops is not None and x.shape[0] <= SMALL_LINEAR_MAX_ROWS[x.dtype]:
             return small_linear(self.small_ops, x, self.small_weight, self.bias, self.out_features)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)

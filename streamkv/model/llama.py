@@ -194,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (rows that sample) -> float32 logits ``[N, vocab_size]``."""
-        if self.small_ops is not None and hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS:
+        if self.small_ops is not None and hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS[hidden.dtype]:
             logits = small_linear(self.small_ops, hidden, self.small_lm_head, None, self.config.vocab_size)
         elif self.packed_lm_head is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_lm_head, None, "none", [], "")
@@ -235,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
             batch_size_hint: rows per matmul the packed layout is tuned for
                 (any row count works).
             small_ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module: matmuls of up to
-                ``SMALL_LINEAR_MAX_ROWS`` rows (decode steps) then run on its kernel, from a
+                ``SMALL_LINEAR_MAX_ROWS[dtype]`` rows (decode steps) then run on its kernel, from a
                 second packed copy of each weight (float32 and bfloat16 only).
 
         Returns:

@@ -212,7 +212,7 @@ def from_hf(
         extra = sum(t.nbytes for t in packed if t is not None)
         logger.info(
             "small-batch linear kernel for matmuls of <= %d rows (decode steps): %.0f MiB of weights packed for it",
-            SMALL_LINEAR_MAX_ROWS,
+            SMALL_LINEAR_MAX_ROWS[dtype],
             extra / 2**20,
         )
     if fused and device.type == "cpu" and dtype in FUSED_DTYPES:

@@ -40,7 +40,12 @@ def real_server(tiny_model_dir: str, tiny: LoadedModel) -> Iterator[RunningServe
 
 
 def test_conversation_cancel_and_disconnect_with_the_real_engine(real_server: RunningServer) -> None:
+    import sys
+
+    from streamkv.engine import SWITCH_INTERVAL_S
+
     engine = real_server.engine
+    assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)  # set by the engine's start
     greedy = {"max_tokens": 6, "temperature": 0}
     with connect_chat(real_server) as ws:
         t1 = chat_turn(ws, "Hello!", params=greedy, timeout=60)
