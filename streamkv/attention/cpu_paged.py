@@ -47,8 +47,6 @@ _KERNEL_DTYPES = frozenset(
     | {(q, kv) for q in (torch.float32, torch.bfloat16) for kv in (torch.int8, torch.float8_e4m3fn)}
 )
 
-_WRITE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
-
 
 def cpu_ops_available() -> bool:
     """True when the C++ ops are built (or build now) and load; logs once why not otherwise."""
@@ -79,8 +77,7 @@ class CpuPagedAttention(TorchPagedAttention):
             RuntimeError: a slot outside the pool (the op checks every slot before it writes).
         """
         if (
-            kv_cache.dtype == key.dtype == value.dtype
-            and kv_cache.dtype in _WRITE_DTYPES
+            kv_cache.dtype == key.dtype == value.dtype  # K/V are float: an equal dtype means an unquantized cache
             and key.stride(1) == value.stride(1) == key.shape[2]
             and key.stride(2) == value.stride(2) == 1
         ):

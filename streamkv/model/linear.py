@@ -41,12 +41,13 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.packed_weight: torch.Tensor | None = None
         self.small_weight: torch.Tensor | None = None
+        self.small_bias: torch.Tensor | None = None  # float32, as the kernel adds it
         self.small_ops: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` -> ``[N, out]``."""
         if self.small_ops is not None and x.shape[0] <= SMALL_LINEAR_MAX_ROWS[x.dtype]:
-            return small_linear(self.small_ops, x, self.small_weight, self.bias, self.out_features)
+            return small_linear(self.small_ops, x, self.small_weight, self.small_bias, self.out_features)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -61,6 +62,7 @@ class Linear(nn.Linear):
         self.packed_weight = pack_linear_weight(self.weight, batch_size_hint)
         if small_ops is not None:
             self.small_weight = small_ops.pack_small_linear(self.weight.detach().contiguous())
+            self.small_bias = None if self.bias is None else self.bias.detach().float().contiguous()
             self.small_ops = small_ops
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 

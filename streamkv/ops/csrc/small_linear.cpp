@@ -37,13 +37,6 @@ constexpr int64_t ROWS = 8;    // rows of x per pass over a column block
 int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 // 16 fp32 lanes -> 16 bf16, round-to-nearest-even, NaN kept NaN (c10::BFloat16's rule).
 inline __m256i to_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
