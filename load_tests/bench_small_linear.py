@@ -6,9 +6,12 @@ memory as in a decode step) plus the LM head (49152 x 576), for M rows of x.
 Both kernels run interleaved, the best of ``--rounds`` per kernel is printed
 with the weight bytes it streamed per second; the first line is a plain read
 of a 512 MiB tensor (``torch.sum``), the machine's reference bandwidth.
+``int8`` rows run ``--quantization int8``'s matmuls: bf16 x against the int8
+kernel (its GB/s count int8 bytes) and oneDNN on the dequantized bf16
+weights (what batches past ``INT8_MAX_ROWS`` run).
 
     .venv/bin/python -m load_tests.bench_small_linear                       # 2 threads, M = 1 .. 128
-    .venv/bin/python -m load_tests.bench_small_linear --rows 1,8 --dtypes bfloat16 --threads 1
+    .venv/bin/python -m load_tests.bench_small_linear --rows 1,8 --dtypes bfloat16,int8 --threads 1
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from streamkv.model.linear import SmallMatmul, dequantize_int8, quantize_int8  # noqa: E402
 from streamkv.ops.cpu_ops import load_linear_ops  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -48,14 +52,13 @@ def _timed(fn: Callable[[], object]) -> float:
 def time_rows(
     ops: ModuleType,
     onednn: dict[str, list[torch.Tensor]],
-    small: dict[str, list[torch.Tensor]],
+    small: dict[str, list[SmallMatmul]],
     rows: int,
     dtype: torch.dtype,
     rounds: int,
 ) -> tuple[float, float]:
-    """Best seconds of (oneDNN, small_linear) over every weight, ``rows`` rows of x, interleaved rounds."""
+    """Best seconds of (oneDNN, small-batch kernel) over every weight, ``rows`` rows of x, interleaved rounds."""
     xs = {s: torch.randn(rows, dims[1]).to(dtype) for s, dims in SHAPES.items()}
-    outs = {s: torch.empty(rows, dims[0], dtype=dtype) for s, dims in SHAPES.items()}
 
     def run_onednn() -> None:
         for s, packed in onednn.items():
@@ -63,9 +66,9 @@ def time_rows(
                 torch.ops.mkldnn._linear_pointwise(xs[s], p, None, "none", [], "")
 
     def run_small() -> None:
-        for s, packed in small.items():
-            for p in packed:
-                ops.small_linear(outs[s], xs[s], p)
+        for s, kernels in small.items():
+            for kernel in kernels:
+                kernel(xs[s])
 
     run_onednn()
     run_small()
@@ -76,11 +79,31 @@ def time_rows(
     return min(onednn_s), min(small_s)
 
 
+def pack(
+    ops: ModuleType, name: str, layers: int
+) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[SmallMatmul]], int, torch.dtype]:
+    """oneDNN's and the small kernel's copies of random SmolLM2-shaped weights; bytes the kernel streams; x dtype."""
+    int8 = name == "int8"
+    dtype = torch.bfloat16 if int8 else getattr(torch, name)
+    onednn: dict[str, list[torch.Tensor]] = {}
+    small: dict[str, list[SmallMatmul]] = {}
+    for shape, dims in SHAPES.items():
+        onednn[shape], small[shape] = [], []
+        for _ in range(1 if shape == "lm_head" else layers):
+            w = (torch.randn(*dims) * 0.02).to(dtype)
+            codes = quantize_int8(w) if int8 else None
+            dense = dequantize_int8(*codes, dtype) if codes is not None else w
+            onednn[shape].append(torch.ops.mkldnn._reorder_linear_weight(dense, 32))
+            small[shape].append(SmallMatmul.pack(ops, dense, None, codes))
+    nbytes = sum(k.packed.nbytes for ks in small.values() for k in ks)
+    return onednn, small, nbytes, dtype
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128", help="comma-separated M values")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16,int8", help="float32, bfloat16, int8 (bf16 x, int8 weights)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--layers", type=int, default=LAYERS, help="weights per projection shape (30 in SmolLM2)")
     args = ap.parse_args(argv)
@@ -93,20 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     print("| dtype | rows | oneDNN ms | oneDNN GB/s | small_linear ms | small_linear GB/s | speed-up |")
     print("|---|---|---|---|---|---|---|")
     for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
-        weights = {
-            shape: [torch.randn(*dims).to(dtype) for _ in range(1 if shape == "lm_head" else args.layers)]
-            for shape, dims in SHAPES.items()
-        }
-        onednn = {s: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws] for s, ws in weights.items()}
-        small = {s: [ops.pack_small_linear(w) for w in ws] for s, ws in weights.items()}
-        nbytes = sum(w.nbytes for ws in weights.values() for w in ws)
-        del weights
+        if name == "int8" and not ops.small_linear_int8_supported():
+            print("| int8 | - | the int8 kernel needs AVX512-VNNI |")
+            continue
+        onednn, small, nbytes, dtype = pack(ops, name, args.layers)
         for rows in (int(r) for r in args.rows.split(",")):
             a, b = time_rows(ops, onednn, small, rows, dtype, args.rounds)
+            onednn_bytes = nbytes * (2 if name == "int8" else 1)  # int8: oneDNN streams the bf16 weights
             print(
-                f"| {name} | {rows} | {a * 1e3:.2f} | {nbytes / a / 1e9:.1f} | {b * 1e3:.2f} | {nbytes / b / 1e9:.1f} "
-                f"| {a / b:.2f}x |"
+                f"| {name} | {rows} | {a * 1e3:.2f} | {onednn_bytes / a / 1e9:.1f} | {b * 1e3:.2f} "
+                f"| {nbytes / b / 1e9:.1f} | {a / b:.2f}x |"
             )
     return 0
 

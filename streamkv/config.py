@@ -36,6 +36,10 @@ class ModelConfig:
         seed: seed of the engine's own generator, from which unseeded requests
             draw theirs; ``None`` seeds it from OS entropy (a restarted server
             does not repeat its answers).
+        quantization: ``None`` (weights in ``dtype``) or ``int8``: weight-only
+            int8 with one scale per output channel for every projection and the
+            LM head (CPU only; activations and KV stay in ``dtype``; see
+            :func:`streamkv.model.linear.quantize_int8`).
     """
 
     model: str | None = None
@@ -43,6 +47,7 @@ class ModelConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     seed: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -51,6 +56,8 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, not {self.attention_backend!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or int8, not {self.quantization!r}")
 
 
 @dataclass(frozen=True, slots=True)

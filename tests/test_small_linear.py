@@ -10,11 +10,13 @@ on both sides of every internal block (8 rows per pass, 2 column blocks).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS, Linear, small_linear
+from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS, Linear, SmallMatmul
 from streamkv.ops.cpu_ops import load_linear_ops
 
 ops = load_linear_ops()
@@ -86,16 +88,16 @@ def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(dtype: to
     layer = Linear(64, 96, bias=True).to(dtype)
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.prepack(32, ops)
-    assert layer.weight.numel() == 0 and layer.small_weight is not None
+    assert layer.weight.numel() == 0 and layer.small is not None
     calls = []
-    real = layer.small_ops
+    real = layer.small.ops
 
     class Spy:
         def small_linear(self, *args: object) -> None:
             calls.append(args[1].shape[0])
             real.small_linear(*args)
 
-    layer.small_ops = Spy()  # type: ignore[assignment]
+    layer.small = dataclasses.replace(layer.small, ops=Spy())
     most = SMALL_LINEAR_MAX_ROWS[dtype]
     for rows in (1, most, most + 1, 300):
         x = torch.randn(rows, 64).to(dtype)
@@ -103,16 +105,22 @@ def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(dtype: to
     assert calls == [1, most]
 
 
-def test_helper_copies_rows_without_a_unit_stride() -> None:
+def test_small_matmul_copies_rows_without_a_unit_stride() -> None:
     w = torch.randn(20, 8)
     x = torch.randn(8, 3).T  # [3, 8], column-major
-    assert_close(small_linear(ops, x, ops.pack_small_linear(w), None, 20), x, w, None)
+    assert_close(SmallMatmul.pack(ops, w)(x), x, w, None)
 
 
 def test_bench_small_linear_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     from load_tests import bench_small_linear
 
-    assert bench_small_linear.main(["--rows", "1,9", "--dtypes", "bfloat16", "--rounds", "1", "--layers", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| bfloat16 |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["1", "9"]
-    assert all(float(r.split("|")[7].strip().rstrip("x")) > 0 for r in rows)
+    args = ["--rows", "1,9", "--dtypes", "bfloat16,int8", "--rounds", "1", "--layers", "1"]
+    assert bench_small_linear.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    for name in ("bfloat16", "int8"):
+        rows = [line for line in out if line.startswith(f"| {name} |")]
+        if name == "int8" and not ops.small_linear_int8_supported():
+            assert rows and "VNNI" in rows[0]
+            continue
+        assert [r.split("|")[2].strip() for r in rows] == ["1", "9"]
+        assert all(float(r.split("|")[7].strip().rstrip("x")) > 0 for r in rows)

@@ -19,6 +19,8 @@ projection weight in memory.
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -28,6 +30,98 @@ from torch import nn
 # The measured crossovers (load_tests/bench_small_linear.py, quiet, 2 threads): bf16 is on par with oneDNN at
 # 64 rows (1.01x) and behind at 128 (0.97x); fp32 is on par at 32 (0.98x) and behind at 64 (0.93x).
 SMALL_LINEAR_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 64}
+# int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows and is on
+# par with oneDNN's bf16 matmul at prefill sizes (load_tests/bench_small_linear.py, int8 rows), and one kernel
+# for every row count keeps a row's result independent of the batch it is in.
+INT8_MAX_ROWS = sys.maxsize
+INT8_MAX = 127
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of a ``[N, K]`` weight: ``W[n, k] ~= q[n, k] * scale[n]``.
+
+    ``scale[n] = max_k |W[n, k]| / 127`` and ``q = round(W / scale)`` in
+    float32, so each weight is off by at most half a step (``scale / 2``);
+    the scheme of torchao's ``int8_weight_only`` and gpt-fast. An all-zero
+    row gets scale 1 (its codes are 0).
+
+    Returns:
+        ``q`` int8 ``[N, K]`` in [-127, 127], ``scale`` float32 ``[N]``.
+    """
+    w = weight.detach().float()
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
+    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q [N, K] * scale [N]`` in float32, cast to ``dtype``: the weight oneDNN runs for large batches."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class SmallMatmul:
+    """One weight packed for the small-batch kernels: in its float dtype, or int8 with a scale per output.
+
+    Attributes:
+        ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module.
+        packed: ``pack_small_linear`` (float) or ``pack_small_linear_int8`` (int8) of the weight.
+        out_features: ``N``.
+        max_rows: most rows of ``x`` sent to the kernel (larger batches take oneDNN).
+        scale: float32 ``[N]`` for int8 weights, else ``None``.
+        bias: float32 ``[N]`` (the kernels add it in fp32) or ``None``.
+    """
+
+    ops: ModuleType
+    packed: torch.Tensor
+    out_features: int
+    max_rows: int
+    scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def pack(
+        cls,
+        ops: ModuleType,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        int8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SmallMatmul:
+        """Pack ``weight [N, K]`` (float32/bfloat16), or its int8 codes and scales ``int8 = (q, scale)``."""
+        b = None if bias is None else bias.detach().float().contiguous()
+        if int8 is not None:
+            q, scale = int8
+            return cls(ops, ops.pack_small_linear_int8(q.contiguous()), q.shape[0], INT8_MAX_ROWS, scale, b)
+        w = weight.detach().contiguous()
+        return cls(ops, ops.pack_small_linear(w), w.shape[0], SMALL_LINEAR_MAX_ROWS[w.dtype], None, b)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K]`` (float32/bfloat16, ``M <= max_rows``) -> ``[M, N]`` in ``x``'s dtype.
+
+        Float weights: fp32 accumulates in fp32; bf16 multiplies bf16 pairs and
+        accumulates in fp32, rounding once to bf16 (oneDNN's contract, another
+        summation order). int8 weights: each row of ``x`` is quantized to int16
+        (``max|x| / 32767`` per row, so an element is off by at most
+        ``max|x| / 65534``), the products are summed exactly in int32, and the
+        two scales are applied in fp32 (``small_linear.cpp``).
+
+        Raises:
+            RuntimeError: ``x`` does not fit the packed weight (the op checks).
+        """
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = x.new_empty(x.shape[0], self.out_features)
+        if self.scale is None:
+            self.ops.small_linear(out, x, self.packed, self.bias)
+        else:
+            self.ops.small_linear_int8(out, x, self.packed, self.scale, self.bias)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weight (and its scales)."""
+        return self.packed.nbytes + (0 if self.scale is None else self.scale.nbytes)
 
 
 class Linear(nn.Linear):
@@ -40,30 +134,39 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed_weight: torch.Tensor | None = None
-        self.small_weight: torch.Tensor | None = None
-        self.small_bias: torch.Tensor | None = None  # float32, as the kernel adds it
-        self.small_ops: ModuleType | None = None
+        self.small: SmallMatmul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` -> ``[N, out]``."""
-        if self.small_ops is not None and x.shape[0] <= SMALL_LINEAR_MAX_ROWS[x.dtype]:
-            return small_linear(self.small_ops, x, self.small_weight, self.small_bias, self.out_features)
+        if self.small is not None and x.shape[0] <= self.small.max_rows:
+            return self.small(x)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     @torch.no_grad()
-    def prepack(self, batch_size_hint: int, small_ops: ModuleType | None = None) -> None:
-        """Reorder the weight for oneDNN (and, given ``small_ops``, for ``small_linear``); drop the dense copy.
+    def prepack(self, batch_size_hint: int, small_ops: ModuleType | None = None, *, int8: bool = False) -> None:
+        """Reorder the weight for oneDNN (and, given ``small_ops``, for the small-batch kernel); drop the dense copy.
+
+        With ``int8`` the weight becomes its int8 model (:func:`quantize_int8`)
+        and, when the build has the int8 kernel, only the int8 codes are kept:
+        that kernel runs every batch size. Without it oneDNN (and the float
+        kernel) run the dequantized weight in the layer's dtype.
 
         Raises:
             RuntimeError: oneDNN cannot take this dtype on this CPU (e.g. float16 without AVX512-FP16).
         """
-        self.packed_weight = pack_linear_weight(self.weight, batch_size_hint)
+        weight = self.weight.detach()
+        if int8:
+            codes = quantize_int8(weight)
+            if small_ops is not None and small_ops.small_linear_int8_supported():
+                self.small = SmallMatmul.pack(small_ops, weight, self.bias, codes)
+                self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+                return
+            weight = dequantize_int8(*codes, weight.dtype)
+        self.packed_weight = pack_linear_weight(weight, batch_size_hint)
         if small_ops is not None:
-            self.small_weight = small_ops.pack_small_linear(self.weight.detach().contiguous())
-            self.small_bias = None if self.bias is None else self.bias.detach().float().contiguous()
-            self.small_ops = small_ops
+            self.small = SmallMatmul.pack(small_ops, weight, self.bias)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
@@ -76,21 +179,3 @@ def pack_linear_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tens
         RuntimeError: oneDNN cannot take this dtype on this CPU.
     """
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size_hint)
-
-
-def small_linear(
-    ops: ModuleType, x: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """``x [M, in] @ W^T (+ bias)`` -> ``[M, out_features]`` in ``x``'s dtype, ``W`` from ``pack_small_linear``.
-
-    fp32 accumulates in fp32; bf16 multiplies bf16 pairs and accumulates in
-    fp32, rounding once to bf16 (oneDNN's contract, another summation order).
-
-    Raises:
-        RuntimeError: ``packed`` was made for another shape or dtype (the op checks).
-    """
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = x.new_empty(x.shape[0], out_features)
-    ops.small_linear(out, x, packed, bias)
-    return out

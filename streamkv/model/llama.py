@@ -36,7 +36,7 @@ from torch import nn
 
 from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
-from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS, Linear, pack_linear_weight, small_linear
+from streamkv.model.linear import Linear, SmallMatmul, dequantize_int8, pack_linear_weight, quantize_int8
 from streamkv.model.rope import RopeScaling, apply_rope, read_rope, rope_inv_freq, rope_tables
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -140,8 +140,7 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
         self.packed_lm_head: torch.Tensor | None = None
-        self.small_lm_head: torch.Tensor | None = None
-        self.small_ops: ModuleType | None = None
+        self.small_lm_head: SmallMatmul | None = None
         self.max_positions = max_positions or config.max_position_embeddings
         # Filled by reset_rope() once the weights are in (the loader calls it).
         self.register_buffer("rope_cos", torch.empty(self.max_positions, config.head_dim), persistent=False)
@@ -194,8 +193,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (rows that sample) -> float32 logits ``[N, vocab_size]``."""
-        if self.small_ops is not None and hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS[hidden.dtype]:
-            logits = small_linear(self.small_ops, hidden, self.small_lm_head, None, self.config.vocab_size)
+        if self.small_lm_head is not None and hidden.shape[0] <= self.small_lm_head.max_rows:
+            logits = self.small_lm_head(hidden)
         elif self.packed_lm_head is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_lm_head, None, "none", [], "")
         else:
@@ -224,7 +223,9 @@ class LlamaForCausalLM(nn.Module):
         return ops is not None
 
     @torch.no_grad()
-    def prepack_cpu_weights(self, batch_size_hint: int = 32, small_ops: ModuleType | None = None) -> bool:
+    def prepack_cpu_weights(
+        self, batch_size_hint: int = 32, small_ops: ModuleType | None = None, *, int8: bool = False
+    ) -> bool:
         """Move every matmul onto oneDNN-prepacked weights (see :class:`Linear`).
 
         CPU only; one-way (dense projection weights are released; a tied
@@ -235,8 +236,12 @@ class LlamaForCausalLM(nn.Module):
             batch_size_hint: rows per matmul the packed layout is tuned for
                 (any row count works).
             small_ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module: matmuls of up to
-                ``SMALL_LINEAR_MAX_ROWS[dtype]`` rows (decode steps) then run on its kernel, from a
+                ``SmallMatmul.max_rows`` rows (decode steps) then run on its kernel, from a
                 second packed copy of each weight (float32 and bfloat16 only).
+            int8: every projection and the LM head become their int8 models
+                (:func:`streamkv.model.linear.quantize_int8`, one scale per output),
+                run by the int8 kernel at every batch size when ``small_ops`` has it
+                (else dequantized, on oneDNN); the embedding lookups keep the dense table.
 
         Returns:
             False, changing nothing, when oneDNN is unavailable or cannot take
@@ -245,19 +250,21 @@ class LlamaForCausalLM(nn.Module):
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head
         if head.device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return False
-        try:
-            packed_head = pack_linear_weight(head, batch_size_hint)
-        except RuntimeError:
-            return False
         if head.dtype not in FUSED_DTYPES:
             small_ops = None
+        codes = quantize_int8(head) if int8 else None
+        int8_kernel = codes is not None and small_ops is not None and small_ops.small_linear_int8_supported()
+        dense_head = head.detach() if codes is None else dequantize_int8(*codes, head.dtype)
+        try:
+            packed_head = None if int8_kernel else pack_linear_weight(dense_head, batch_size_hint)
+        except RuntimeError:
+            return False
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack(batch_size_hint, small_ops)
+                module.prepack(batch_size_hint, small_ops, int8=int8)
         self.packed_lm_head = packed_head
         if small_ops is not None:
-            self.small_lm_head = small_ops.pack_small_linear(head.detach().contiguous())
-            self.small_ops = small_ops
+            self.small_lm_head = SmallMatmul.pack(small_ops, dense_head, None, codes if int8_kernel else None)
         if self.lm_head is not None:
             self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
         return True

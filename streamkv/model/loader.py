@@ -26,7 +26,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from streamkv.config import ModelConfig
-from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS, Linear
+from streamkv.model.linear import Linear
 from streamkv.model.llama import FUSED_DTYPES, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import resolve_dtype
 
@@ -118,16 +118,17 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
     start = time.perf_counter()
     dtype = resolve_dtype(cfg.dtype, device)
     checkpoint = load_hf_checkpoint(cfg.model, dtype)
-    loaded = from_hf(checkpoint, dtype, device, prepack=prepack)
+    loaded = from_hf(checkpoint, dtype, device, prepack=prepack, quantization=cfg.quantization)
     del checkpoint
     loaded.load_seconds = time.perf_counter() - start
     logger.info(
-        "loaded %s (%s, %d layers) in %.1f s: dtype %s, max_model_len %d, eos %s",
+        "loaded %s (%s, %d layers) in %.1f s: dtype %s%s, max_model_len %d, eos %s",
         loaded.name,
         loaded.hf_config.model_type,
         loaded.model.num_layers,
         loaded.load_seconds,
         str(dtype).removeprefix("torch."),
+        ", int8 weights" if cfg.quantization == "int8" else "",
         loaded.max_model_len,
         loaded.eos_token_ids,
     )
@@ -163,7 +164,13 @@ def load_hf_checkpoint(model: str | None, dtype: torch.dtype = torch.float32) ->
 
 
 def from_hf(
-    checkpoint: HFCheckpoint, dtype: torch.dtype, device: torch.device, *, prepack: bool = True, fused: bool = True
+    checkpoint: HFCheckpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    prepack: bool = True,
+    fused: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Build our model from a loaded transformers checkpoint.
 
@@ -181,10 +188,16 @@ def from_hf(
             SiLU-and-mul and RoPE as the fused C++ ops
             (:meth:`LlamaForCausalLM.use_fused_ops`) when they build; the
             torch ops run otherwise.
+        quantization: ``int8`` for weight-only int8 projections and LM head
+            (``ModelConfig.quantization``): oneDNN runs the dequantized weights
+            for large batches, the small-batch kernel the int8 codes.
 
     Raises:
-        ValueError: an unsupported architecture or RoPE scaling.
+        ValueError: an unsupported architecture or RoPE scaling; ``int8`` off the
+            CPU, without ``prepack``, or where oneDNN cannot run this dtype.
     """
+    if quantization == "int8" and (device.type != "cpu" or not prepack):
+        raise ValueError("--quantization int8 runs on the CPU's prepacked matmuls only (device cpu, prepack on)")
     hf_model = checkpoint.model
     hf_config = hf_model.config
     config = LlamaConfig.from_hf(hf_config)
@@ -201,20 +214,19 @@ def from_hf(
     load_hf_weights(model, hf_model.state_dict(), dtype=dtype, device=device)
     model.eval()
     small_ops = None
+    int8 = quantization == "int8"
     if prepack and device.type == "cpu" and dtype in FUSED_DTYPES:
         from streamkv.ops.cpu_ops import load_linear_ops  # builds on first use; None (logged) when it cannot
 
         small_ops = load_linear_ops()
-    if prepack and device.type == "cpu" and not model.prepack_cpu_weights(small_ops=small_ops):
+    if prepack and device.type == "cpu" and not model.prepack_cpu_weights(small_ops=small_ops, int8=int8):
+        if int8:
+            raise ValueError(f"--quantization int8 needs oneDNN matmuls in {dtype}, which this CPU cannot run")
         logger.info("oneDNN cannot take %s weights on this CPU; matmuls use torch's default path", dtype)
-    elif model.small_ops is not None:
-        packed = [m.small_weight for m in model.modules() if isinstance(m, Linear)] + [model.small_lm_head]
-        extra = sum(t.nbytes for t in packed if t is not None)
-        logger.info(
-            "small-batch linear kernel for matmuls of <= %d rows (decode steps): %.0f MiB of weights packed for it",
-            SMALL_LINEAR_MAX_ROWS[dtype],
-            extra / 2**20,
-        )
+    elif model.small_lm_head is not None:
+        _log_small_matmuls(model, int8)
+    elif int8:
+        logger.warning("no small-batch int8 kernel on this CPU: the int8 weights run dequantized on oneDNN")
     if fused and device.type == "cpu" and dtype in FUSED_DTYPES:
         from streamkv.ops.cpu_ops import load_fused_ops  # builds on first use; None (logged) when it cannot
 
@@ -227,6 +239,22 @@ def from_hf(
         max_model_len=max_model_len,
         name=checkpoint.name,
         dtype=dtype,
+    )
+
+
+def _log_small_matmuls(model: LlamaForCausalLM, int8: bool) -> None:
+    small = [m.small for m in model.modules() if isinstance(m, Linear)] + [model.small_lm_head]
+    kernels = [s for s in small if s is not None]
+    mib = sum(s.nbytes for s in kernels) / 2**20
+    if int8 and all(s.scale is not None for s in kernels):
+        logger.info("int8 weights: %.0f MiB, on the int8 kernel at every batch size (no dense copy)", mib)
+        return
+    if int8:
+        logger.warning("this build has no int8 kernel (AVX512-VNNI): the int8 weights run dequantized on oneDNN")
+    logger.info(
+        "small-batch linear kernel for matmuls of <= %d rows (decode steps): %.0f MiB of weights packed for it",
+        max(s.max_rows for s in kernels),
+        mib,
     )
 
 

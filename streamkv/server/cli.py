@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights and KV cache dtype; auto is bfloat16 on CPUs with AVX512-BF16 or AMX and on GPUs, else float32",
     )
     serve.add_argument(
+        "--quantization",
+        choices=("int8",),
+        default=None,
+        help="int8: weight-only int8 (one scale per output channel) for every projection and the LM head, "
+        "CPU only; activations and KV stay in --dtype (accuracy: docs/benchmarks.md)",
+    )
+    serve.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=cache.kv_cache_dtype,
@@ -247,6 +254,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
             device=args.device,
             attention_backend=args.attention_backend,
             seed=args.seed,
+            quantization=args.quantization,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -1,4 +1,4 @@
-// y = x W^T (+ b) for the few rows of a decode step, streaming W once at memory speed (CPU, fp32 / bf16).
+// y = x W^T (+ b) for the few rows of a decode step, streaming W once at memory speed (CPU, fp32 / bf16 / int8 W).
 //
 // A decode step's matmuls have M = batch rows against weights of N x K: at M <= 8 they are bound by the
 // bytes of W, not by FLOPs. oneDNN's packed matmul reaches ~18-20 GB/s on them on the 2-core EPYC where a
@@ -14,6 +14,20 @@
 // accumulators per column block, two column blocks at once); past 8 rows the same weights are read
 // again, from L2.
 //
+// int8 weights (--quantization int8, one float32 scale per output column; AVX-512 VNNI):
+//
+//   int8:  packed [N/32, K/2, 2, 16, 2]   packed[p, e, c, j, i] = q[32 p + 16 c + j, 2 e + i],   W[n, k] ~= q[n, k] * scale[n]
+//
+// Each row of x is first quantized to int16 with its own scale (max|x| / 32767, nearest-even), so each
+// step of k is one 64-byte line (two column blocks' weight pairs, each widened to int16 by vpmovsxbw; a
+// thread's pairs of blocks lie end to end, one sequential stream) and one vpdpwssd per row and block:
+// int16 x int8 products summed exactly in int32, flushed to fp32 every 256 pairs (before any sum could
+// overflow); both scales (and the bias) are applied in fp32 at the end. Half the bytes of bf16 per
+// weight at the rows where the weight stream is the cost, and bf16's rate of dot products where FLOPs
+// are, so this kernel runs every batch size of an int8 model (a row's result never depends on its batch).
+// The x error per element is at most max|x| / 65534: next to bf16's rounding of x (2^-9 relative), and
+// far below the weights' own quantization step.
+//
 // Numerics: fp32 accumulates every product in fp32 (k ascending); bf16 multiplies bf16 pairs exactly and
 // accumulates in fp32 (vdpbf16ps), then rounds to bf16 once, round-to-nearest-even: the contract of
 // oneDNN's bf16 matmul, with another summation order. The bias is added in fp32 before that rounding.
@@ -27,7 +41,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -103,6 +120,139 @@ inline void column_blocks(const T* x, int64_t x_stride, T* y, int64_t y_stride, 
   }
 }
 
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+// Pair steps per int32 partial sum: 256 * 2 * 127 * 32767 < 2^31, so no partial sum can overflow.
+constexpr int64_t INT8_FLUSH_STEPS = 256;
+
+inline float as_float(float v) { return v; }
+inline float as_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+// 16 elements of x as fp32 (bf16 widens exactly), the first `live` of them; zeros past.
+inline __m512 load_x(const float* p, __mmask16 live) { return _mm512_maskz_loadu_ps(live, p); }
+inline __m512 load_x(const at::BFloat16* p, __mmask16 live) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+
+// Rows of x -> int16 [M, kp] (zeros past K) and one scale per row: x[r, k] ~= xq[r, k] * xs[r],
+// xs = max|x[r]| / 32767, xq = x * (32767 / max|x[r]|) in fp32, rounded to nearest-even. A row with a
+// non-finite element gets xs = NaN (its outputs are NaN); an all-zero row gets codes 0.
+template <typename T>
+void quantize_rows(const T* x, int64_t stride, int64_t m, int64_t k, int64_t kp, int16_t* xq, float* xs) {
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * stride;
+      __m512 vmax = _mm512_setzero_ps();
+      __mmask16 bad = 0;
+      for (int64_t i = 0; i < k; i += LANES) {
+        const __mmask16 live = k - i >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k - i)) - 1);
+        const __m512 v = load_x(row + i, live);
+        bad |= _mm512_fpclass_ps_mask(v, 0x99);  // QNaN | +Inf | -Inf | SNaN
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+      }
+      const float absmax = _mm512_reduce_max_ps(vmax);
+      const float inv = (bad == 0 && absmax > 0.f) ? 32767.f / absmax : 0.f;
+      xs[r] = bad == 0 ? absmax / 32767.f : std::numeric_limits<float>::quiet_NaN();
+      const __m512 vinv = _mm512_set1_ps(inv);
+      int16_t* out = xq + r * kp;
+      for (int64_t i = 0; i < kp; i += LANES) {
+        const int64_t left = std::max<int64_t>(0, k - i);
+        const __mmask16 live = left >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+        const __m512 v = _mm512_mul_ps(load_x(row + i, live), vinv);
+        const __mmask16 store = kp - i >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (kp - i)) - 1);
+        _mm512_mask_cvtsepi32_storeu_epi16(out + i, store, _mm512_cvtps_epi32(v));  // nearest-even, saturating
+      }
+    }
+  });
+}
+
+// The two column blocks of pair `pair` for rows [m0, m0 + rows): int16 x pairs against int8 weight pairs
+// widened to int16 (vpmovsxbw), multiplied and summed exactly in int32 (vpdpwssd), flushed to fp32 every
+// INT8_FLUSH_STEPS steps; y = sum * (wscale[col] * xs[row]) + bias. A step of k reads one 64-byte line
+// (both blocks' 16 columns x 2 k), and consecutive pairs are consecutive in memory: one sequential stream.
+template <typename T>
+inline void column_pair_int8(const int16_t* xq, int64_t xq_stride, const float* xs, T* y, int64_t y_stride,
+                             const int8_t* packed, const float* wscale, const float* bias, int64_t m0,
+                             int64_t rows, int64_t pair, int64_t n, int64_t steps) {
+  constexpr int NB = 2;
+  __m512 accf[NB][ROWS];
+  for (int c = 0; c < NB; ++c)
+    for (int r = 0; r < ROWS; ++r) accf[c][r] = _mm512_setzero_ps();
+  const int8_t* w = packed + pair * steps * 2 * 2 * LANES;
+  const int16_t* xr[ROWS];
+  for (int r = 0; r < ROWS; ++r) xr[r] = xq + (m0 + std::min<int64_t>(r, rows - 1)) * xq_stride;
+  for (int64_t s0 = 0; s0 < steps; s0 += INT8_FLUSH_STEPS) {
+    const int64_t s1 = std::min(steps, s0 + INT8_FLUSH_STEPS);
+    __m512i acc[NB][ROWS];
+    for (int c = 0; c < NB; ++c)
+      for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm512_setzero_si512();
+    for (int64_t s = s0; s < s1; ++s) {
+      const int8_t* p = w + s * 4 * LANES;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_T0);
+      __m512i wv[NB];
+      for (int c = 0; c < NB; ++c)
+        wv[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * 2 * LANES)));
+      for (int r = 0; r < ROWS; ++r) {
+        if (r >= rows) break;
+        int32_t x_pair;
+        std::memcpy(&x_pair, xr[r] + 2 * s, sizeof(x_pair));
+        const __m512i xv = _mm512_set1_epi32(x_pair);
+        for (int c = 0; c < NB; ++c) acc[c][r] = _mm512_dpwssd_epi32(acc[c][r], xv, wv[c]);
+      }
+    }
+    for (int c = 0; c < NB; ++c)
+      for (int r = 0; r < ROWS; ++r) {
+        if (r >= rows) break;
+        accf[c][r] = _mm512_add_ps(accf[c][r], _mm512_cvtepi32_ps(acc[c][r]));
+      }
+  }
+  for (int c = 0; c < NB; ++c) {
+    const int64_t col = (2 * pair + c) * LANES;
+    const int64_t live = std::min<int64_t>(LANES, n - col);
+    if (live <= 0) break;  // the zero block padding N to a multiple of 32
+    const __mmask16 mask = live >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
+    const __m512 sc = _mm512_maskz_loadu_ps(mask, wscale + col);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) {
+      if (r >= rows) break;
+      const __m512 v = _mm512_fmadd_ps(accf[c][r], _mm512_mul_ps(sc, _mm512_set1_ps(xs[m0 + r])), b);
+      T* dst = y + (m0 + r) * y_stride + col;
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_mask_storeu_ps(dst, mask, v);
+      } else {
+        _mm256_mask_storeu_epi16(dst, mask, to_bf16(v));
+      }
+    }
+  }
+}
+
+template <typename T>
+void run_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* wscale,
+              const float* bias, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t pairs = packed.size(0);
+  const int64_t steps = packed.size(1);  // K / 2, rounded up
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> xs;
+  xq.resize(m * 2 * steps);
+  xs.resize(m);
+  quantize_rows(x.data_ptr<T>(), x.stride(0), m, k, 2 * steps, xq.data(), xs.data());
+  const int16_t* xqp = xq.data();
+  const float* xsp = xs.data();
+  T* yp = out.data_ptr<T>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair)
+      for (int64_t m0 = 0; m0 < m; m0 += ROWS)
+        column_pair_int8<T>(xqp, 2 * steps, xsp, yp, out.stride(0), wp, wscale, bias, m0, std::min(ROWS, m - m0),
+                            pair, n, steps);
+  });
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 template <typename T>
 void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   const int64_t m = x.size(0);
@@ -132,6 +282,14 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
 
 bool small_linear_supported() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool small_linear_int8_supported() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return true;
 #else
   return false;
@@ -188,9 +346,63 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
 #endif
 }
 
+// int8 weight q [N, K] -> packed [N/32, K/2, 64] int8: per pair of column blocks and pair of k, block 0's
+// 16 columns x 2 k then block 1's (N padded to a multiple of 32 with zero columns, K to 2 with a zero).
+at::Tensor pack_small_linear_int8(const at::Tensor& q) {
+  TORCH_CHECK(small_linear_int8_supported(), "small_linear_int8 needs AVX-512 with VNNI and BF16");
+  TORCH_CHECK(q.dim() == 2 && !q.is_cuda() && q.scalar_type() == at::kChar, "q must be a CPU int8 [N, K]");
+  const int64_t n = q.size(0), k = q.size(1);
+  const int64_t np = padded(n, 2 * LANES), kp = padded(k, 2);
+  at::Tensor w = at::zeros({np, kp}, q.options());
+  w.narrow(0, 0, n).narrow(1, 0, k).copy_(q);
+  // [N/32, 2, 16, K/2, 2] -> [N/32, K/2, 2, 16, 2]
+  return w.view({np / (2 * LANES), 2, LANES, kp / 2, 2})
+      .permute({0, 3, 1, 2, 4})
+      .contiguous()
+      .view({np / (2 * LANES), kp / 2, 4 * LANES});
+}
+
+// out [M, N] = (x [M, K] @ q^T) * scale [N] (+ bias [N]); x and out float32 or bfloat16, q packed int8.
+void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(small_linear_int8_supported(), "small_linear_int8 needs AVX-512 with VNNI and BF16");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(out.scalar_type() == dtype, "x and out dtypes differ");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
+              "x and out must be [M, K] and [M, N] with unit last strides");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == 4 * LANES,
+              "packed must come from pack_small_linear_int8");
+  const int64_t n = out.size(1), k = x.size(1);
+  TORCH_CHECK(packed.size(0) == padded(n, 2 * LANES) / (2 * LANES), "packed has ", packed.size(0) * 2 * LANES,
+              " columns for N = ", n);
+  TORCH_CHECK(packed.size(1) == padded(k, 2) / 2, "packed was made for another K than ", k);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous(),
+              "scale must be a contiguous float32 [N]");
+  at::Tensor b32;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [N]");
+    b32 = bias->to(at::kFloat).contiguous();
+    bp = b32.data_ptr<float>();
+  }
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  if (dtype == at::kFloat)
+    run_int8<float>(out, x, packed, scale.data_ptr<float>(), bp, n);
+  else
+    run_int8<at::BFloat16>(out, x, packed, scale.data_ptr<float>(), bp, n);
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_supported", &small_linear_supported, "whether this build has the AVX-512 BF16 kernels");
   m.def("pack_small_linear", &pack_small_linear, "pack a [N, K] weight for small_linear");
   m.def("small_linear", &small_linear, "out = x @ W^T (+ bias) for few rows, W packed (CPU, fp32/bf16)",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+  m.def("small_linear_int8_supported", &small_linear_int8_supported, "whether this build has the int8 kernel");
+  m.def("pack_small_linear_int8", &pack_small_linear_int8, "pack an int8 [N, K] weight for small_linear_int8");
+  m.def("small_linear_int8", &small_linear_int8,
+        "out = (x @ q^T) * scale (+ bias) for few rows, q packed int8 (CPU, fp32/bf16 x)", py::arg("out"),
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias") = py::none());
 }
