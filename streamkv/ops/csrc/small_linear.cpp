@@ -5,14 +5,14 @@
 // plain read of memory reaches ~26 (docs/benchmarks.md, "Small-batch linear"). This kernel reads W in a
 // layout made for that stream:
 //
-//   fp32:  packed [N/16, K, 16]        packed[nb, k, j] = W[16 nb + j, k]
-//   bf16:  packed [N/16, K/2, 16, 2]   packed[nb, e, j, i] = W[16 nb + j, 2 e + i]   (vdpbf16ps pairs)
-//          (N padded to a multiple of 16 and K to a multiple of 2 with zeros)
+//   fp32:  packed [N/32, K, 2, 16]        packed[p, k, c, j] = W[32 p + 16 c + j, k]
+//   bf16:  packed [N/32, K/2, 2, 16, 2]   packed[p, e, c, j, i] = W[32 p + 16 c + j, 2 e + i]   (vdpbf16ps pairs)
+//          (N padded to a multiple of 32 and K to a multiple of 2 with zeros)
 //
-// so the 16 outputs of a column block are one zmm, each step of k is one contiguous 64-byte load used by
-// every row of x, and a thread walks its column blocks front to back. Rows of x go 8 at a time (8 zmm
-// accumulators per column block, two column blocks at once); past 8 rows the same weights are read
-// again, from L2.
+// so the 16 outputs of a column block are one zmm, each step of k is one 64-byte load per block of a
+// pair used by every row of x, and a thread walks its pairs of blocks front to back as one sequential
+// stream. Rows of x go 8 at a time (8 zmm accumulators per column block, the pair's two blocks at once);
+// past 8 rows the same weights are read again, from L2.
 //
 // int8 weights (--quantization int8, one float32 scale per output column; AVX-512 VNNI):
 //
@@ -64,34 +64,34 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-// Column blocks [nb0, nb1) for rows [m0, m0 + rows) of x; NB column blocks per pass (1 or 2).
-template <typename T, int NB>
-inline void column_blocks(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* packed, const float* bias,
-                          int64_t m0, int64_t rows, int64_t nb, int64_t n, int64_t k_steps) {
-  // k_steps: K for fp32, K/2 (pairs) for bf16; one step = one 64-byte load per column block.
+// The two column blocks of pair `pair` for rows [m0, m0 + rows) of x. A step of k reads two 64-byte
+// lines (block 0's, then block 1's) and consecutive pairs are consecutive in memory: one sequential stream.
+template <typename T>
+inline void column_pair(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* packed, const float* bias,
+                        int64_t m0, int64_t rows, int64_t pair, int64_t n, int64_t k_steps) {
+  // k_steps: K for fp32, K/2 (pairs) for bf16.
+  constexpr int NB = 2;
   __m512 acc[NB][ROWS];
   for (int c = 0; c < NB; ++c)
     for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm512_setzero_ps();
-  const T* w[NB];
-  for (int c = 0; c < NB; ++c) w[c] = packed + (nb + c) * k_steps * LANES * (std::is_same_v<T, float> ? 1 : 2);
+  const char* w = reinterpret_cast<const char*>(packed) + pair * k_steps * NB * 64;
   const T* xr[ROWS];
   for (int r = 0; r < ROWS; ++r) xr[r] = x + (m0 + std::min<int64_t>(r, rows - 1)) * x_stride;
   for (int64_t s = 0; s < k_steps; ++s) {
+    const char* p = w + s * NB * 64;
+    _mm_prefetch(p + 2048, _MM_HINT_T0);
+    _mm_prefetch(p + 2048 + 64, _MM_HINT_T0);
     __m512 wv[NB];
-    for (int c = 0; c < NB; ++c) {
-      const char* p = reinterpret_cast<const char*>(w[c]) + s * 64;
-      _mm_prefetch(p + 1024, _MM_HINT_T0);
-      wv[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
-    }
+    for (int c = 0; c < NB; ++c) wv[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(p + c * 64));
     for (int r = 0; r < ROWS; ++r) {
       if (r >= rows) break;
       __m512 xv;
       if constexpr (std::is_same_v<T, float>) {
         xv = _mm512_set1_ps(xr[r][s]);
       } else {
-        int32_t pair;
-        std::memcpy(&pair, xr[r] + 2 * s, sizeof(pair));
-        xv = _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+        int32_t x_pair;
+        std::memcpy(&x_pair, xr[r] + 2 * s, sizeof(x_pair));
+        xv = _mm512_castsi512_ps(_mm512_set1_epi32(x_pair));
       }
       for (int c = 0; c < NB; ++c) {
         if constexpr (std::is_same_v<T, float>) {
@@ -103,8 +103,9 @@ inline void column_blocks(const T* x, int64_t x_stride, T* y, int64_t y_stride, 
     }
   }
   for (int c = 0; c < NB; ++c) {
-    const int64_t col = (nb + c) * LANES;
+    const int64_t col = (2 * pair + c) * LANES;
     const int64_t live = std::min<int64_t>(LANES, n - col);
+    if (live <= 0) break;  // the zero block padding N to a multiple of 32
     const __mmask16 mask = live >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < ROWS; ++r) {
@@ -120,6 +121,21 @@ inline void column_blocks(const T* x, int64_t x_stride, T* y, int64_t y_stride, 
   }
 }
 
+template <typename T>
+void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+  const int64_t m = x.size(0);
+  const int64_t pairs = packed.size(0);
+  const int64_t k_steps = packed.size(1);  // K (fp32) or K / 2 (bf16 pairs)
+  const T* xp = x.data_ptr<T>();
+  T* yp = out.data_ptr<T>();
+  const T* wp = packed.data_ptr<T>();
+  // Contiguous ranges of pairs per thread keep each thread's stream sequential.
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair)
+      for (int64_t m0 = 0; m0 < m; m0 += ROWS)
+        column_pair<T>(xp, x.stride(0), yp, out.stride(0), wp, bias, m0, std::min(ROWS, m - m0), pair, n, k_steps);
+  });
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -253,29 +269,6 @@ void run_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-template <typename T>
-void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
-  const int64_t m = x.size(0);
-  const int64_t num_blocks = packed.size(0);
-  const int64_t k_steps = packed.size(1);  // K (fp32) or K / 2 (bf16 pairs)
-  const T* xp = x.data_ptr<T>();
-  T* yp = out.data_ptr<T>();
-  const T* wp = packed.data_ptr<T>();
-  const int64_t pairs = (num_blocks + 1) / 2;
-  // Each task is a pair of column blocks; contiguous ranges of pairs per thread keep each stream sequential.
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t nb = 2 * pair;
-      for (int64_t m0 = 0; m0 < m; m0 += ROWS) {
-        const int64_t rows = std::min(ROWS, m - m0);
-        if (nb + 1 < num_blocks)
-          column_blocks<T, 2>(xp, x.stride(0), yp, out.stride(0), wp, bias, m0, rows, nb, n, k_steps);
-        else
-          column_blocks<T, 1>(xp, x.stride(0), yp, out.stride(0), wp, bias, m0, rows, nb, n, k_steps);
-      }
-    }
-  });
-}
 #endif
 
 }  // namespace
@@ -303,17 +296,18 @@ at::Tensor pack_small_linear(const at::Tensor& weight) {
   const auto dtype = weight.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "weight must be float32 or bfloat16");
   const int64_t n = weight.size(0), k = weight.size(1);
-  const int64_t np = padded(n, LANES);
+  const int64_t np = padded(n, 2 * LANES), pairs = np / (2 * LANES);
   if (dtype == at::kFloat) {
     at::Tensor w = at::zeros({np, k}, weight.options());
     w.narrow(0, 0, n).copy_(weight);
-    return w.view({np / LANES, LANES, k}).transpose(1, 2).contiguous();  // [N/16, K, 16]
+    // [N/32, 2, 16, K] -> [N/32, K, 2, 16]
+    return w.view({pairs, 2, LANES, k}).permute({0, 3, 1, 2}).contiguous().view({pairs, k, 2 * LANES});
   }
   const int64_t kp = padded(k, 2);
   at::Tensor w = at::zeros({np, kp}, weight.options());
   w.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
-  // [N/16, 16, K/2, 2] -> [N/16, K/2, 16, 2]
-  return w.view({np / LANES, LANES, kp / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({np / LANES, kp / 2, 2 * LANES});
+  // [N/32, 2, 16, K/2, 2] -> [N/32, K/2, 2, 16, 2]
+  return w.view({pairs, 2, LANES, kp / 2, 2}).permute({0, 3, 1, 2, 4}).contiguous().view({pairs, kp / 2, 4 * LANES});
 }
 
 // out [M, N] = x [M, K] @ W^T (+ bias [N], fp32 or the weight's dtype), W given packed; N = out.size(1).
@@ -324,10 +318,11 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
               "x and out must be [M, K] and [M, N] with unit last strides");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == LANES * (dtype == at::kFloat ? 1 : 2),
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == 2 * LANES * (dtype == at::kFloat ? 1 : 2),
               "packed must come from pack_small_linear");
   const int64_t n = out.size(1), k = x.size(1);
-  TORCH_CHECK(packed.size(0) == padded(n, LANES) / LANES, "packed has ", packed.size(0) * LANES, " columns for N = ", n);
+  TORCH_CHECK(packed.size(0) == padded(n, 2 * LANES) / (2 * LANES), "packed has ", packed.size(0) * 2 * LANES,
+              " columns for N = ", n);
   TORCH_CHECK(dtype == at::kFloat ? packed.size(1) == k : packed.size(1) == padded(k, 2) / 2,
               "packed was made for another K than ", k);
   TORCH_CHECK(dtype == at::kFloat || k % 2 == 0, "bf16 x needs an even K");
