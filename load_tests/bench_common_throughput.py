@@ -76,8 +76,18 @@ class Models:
     load_s: float
 
 
-def load_models(*, want_hf: bool = False, want_dense: bool = False) -> Models:
-    """Load the default GGUF once through transformers and build what is asked for."""
+def load_models(
+    *,
+    want_hf: bool = False,
+    want_dense: bool = False,
+    dtype: torch.dtype = torch.float32,
+    quantization: str | None = None,
+) -> Models:
+    """Load the default GGUF once through transformers and build what is asked for.
+
+    ``dtype`` and ``quantization`` apply to the engine's (prepacked) model;
+    the dense one is always float32.
+    """
     import transformers
 
     from streamkv.model.loader import default_model_path, from_hf, load_hf_checkpoint
@@ -91,7 +101,7 @@ def load_models(*, want_hf: bool = False, want_dense: bool = False) -> Models:
     for line in captured.getvalue().replace("\r", "\n").splitlines():
         if line.strip() and "%|" not in line:
             print(line, file=sys.stderr)
-    loaded = from_hf(ckpt, torch.float32, torch.device("cpu"), prepack=True)
+    loaded = from_hf(ckpt, dtype, torch.device("cpu"), prepack=True, quantization=quantization)
     dense = from_hf(ckpt, torch.float32, torch.device("cpu"), prepack=False) if want_dense else None
     hf_model = ckpt.model if want_hf else None
     del ckpt

@@ -142,6 +142,8 @@ def instrument(h: DecodeHarness, timers: Timers) -> list[tuple[Any, str, Any]]:
         (IncrementalDetokenizer, "add_token", w("  detokenizer.add_token", add_token)),
         (core.outputs, "_emit", w("emit outputs", core.outputs._emit)),
     ]
+    if type(core.backend).decode is not torch_paged.TorchPagedAttention.decode:  # the C++ cpu backend's own op
+        p.append((core.backend, "decode", w("      paged decode (C++ op)", core.backend.decode)))
     for name, module in model.named_modules():
         if isinstance(module, llama.Linear):
             p.append((module, "forward", w(f"      linear {name.rsplit('.', 1)[-1]}", module.forward)))
@@ -171,8 +173,8 @@ def step_breakdown(loaded: Any, batch: int, context: int, steps: int, seed: int)
     mlp_lin = ms.get("      linear gate_up_proj", 0.0) + ms.get("      linear down_proj", 0.0)
     ms["    activation (silu*up, split)"] = max(0.0, mlp_total - mlp_lin)
     attn = ms.get("    attention (total)", 0.0)
-    decode = ms.get("      paged decode (gather+bmm)", 0.0)
-    ms["      KV write (index_copy_ x2)"] = max(0.0, attn - decode)
+    decode = ms.get("      paged decode (gather+bmm)", 0.0) + ms.get("      paged decode (C++ op)", 0.0)
+    ms["      KV write + rest of attention"] = max(0.0, attn - decode)
     fwd = ms.get("  model forward (total)", 0.0)
     accounted = (
         lin + attn + ms.get("    rmsnorm", 0.0) + ms.get("    rope", 0.0) + ms["    activation (silu*up, split)"]
@@ -210,8 +212,9 @@ ORDER = [
     "      linear gate_up_proj",
     "      linear down_proj",
     "    attention (total)",
-    "      KV write (index_copy_ x2)",
+    "      KV write + rest of attention",
     "      paged decode (gather+bmm)",
+    "      paged decode (C++ op)",
     "    rmsnorm",
     "    rope",
     "    activation (silu*up, split)",
@@ -273,6 +276,8 @@ def attention_stages(h: DecodeHarness, reps: int) -> dict[str, float]:
     hq, hkv, d = m.config.num_attention_heads, m.num_kv_heads, m.head_dim
     b = len(running)
     kv_cache = core.runner.kv_caches[0]
+    if kv_cache.dtype != torch.float32:
+        return {f"(the replica is the fp32 torch path; this cache is {kv_cache.dtype}: not run) MB": 0.0}
     flat = kv_cache.view(2, -1, hkv, d)
     q = torch.randn(b, hq, d)
     k_new, v_new = torch.randn(b, hkv, d), torch.randn(b, hkv, d)
