@@ -15,6 +15,10 @@ past them (docs/benchmarks.md, "Small-batch linear"). So batches up to
 :data:`SMALL_LINEAR_MAX_ROWS` for their dtype take it and larger ones
 (prefill chunks) take oneDNN; the price is a second copy of every
 projection weight in memory.
+
+``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
+``int8``) keeps only int8 codes and a float32 scale per output, run by the
+int8 kernel of the same file at every batch size (:data:`INT8_MAX_ROWS`).
 """
 
 from __future__ import annotations
