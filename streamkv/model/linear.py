@@ -26,6 +26,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale.contiguous()
+
+
+def has_int8_kernel(ops: ModuleType | None) -> TypeGuard[ModuleType]:
+    """Whether ``ops`` (:func:`streamkv.ops.cpu_ops.load_linear_ops`) can run int8 weights (AVX-512 VNNI build)."""
+    return ops is not None and bool(ops.small_linear_int8_supported())
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -163,7 +169,7 @@ class Linear(nn.Linear):
         weight = self.weight.detach()
         if int8:
             codes = quantize_int8(weight)
-            if small_ops is not None and small_ops.small_linear_int8_supported():
+            if has_int8_kernel(small_ops):
                 self.small = SmallMatmul.pack(small_ops, weight, self.bias, codes)
                 self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
                 return

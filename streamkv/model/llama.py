@@ -36,7 +36,14 @@ from torch import nn
 
 from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
-from streamkv.model.linear import Linear, SmallMatmul, dequantize_int8, pack_linear_weight, quantize_int8
+from streamkv.model.linear import (
+    Linear,
+    SmallMatmul,
+    dequantize_int8,
+    has_int8_kernel,
+    pack_linear_weight,
+    quantize_int8,
+)
 from streamkv.model.rope import RopeScaling, apply_rope, read_rope, rope_inv_freq, rope_tables
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -253,18 +260,22 @@ class LlamaForCausalLM(nn.Module):
         if head.dtype not in FUSED_DTYPES:
             small_ops = None
         codes = quantize_int8(head) if int8 else None
-        int8_kernel = codes is not None and small_ops is not None and small_ops.small_linear_int8_supported()
-        dense_head = head.detach() if codes is None else dequantize_int8(*codes, head.dtype)
-        try:
-            packed_head = None if int8_kernel else pack_linear_weight(dense_head, batch_size_hint)
-        except RuntimeError:
-            return False
+        small_head: SmallMatmul | None
+        if codes is not None and has_int8_kernel(small_ops):
+            small_head = SmallMatmul.pack(small_ops, head, None, codes)  # no dense copy: the kernel runs every batch
+            packed_head = None
+        else:
+            dense_head = head.detach() if codes is None else dequantize_int8(*codes, head.dtype)
+            try:
+                packed_head = pack_linear_weight(dense_head, batch_size_hint)
+            except RuntimeError:
+                return False
+            small_head = None if small_ops is None else SmallMatmul.pack(small_ops, dense_head)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(batch_size_hint, small_ops, int8=int8)
         self.packed_lm_head = packed_head
-        if small_ops is not None:
-            self.small_lm_head = SmallMatmul.pack(small_ops, dense_head, None, codes if int8_kernel else None)
+        self.small_lm_head = small_head
         if self.lm_head is not None:
             self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
         return True

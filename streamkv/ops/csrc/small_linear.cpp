@@ -64,6 +64,21 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
+// The first min(live, 16) lanes (none when live <= 0).
+inline __mmask16 first_lanes(int64_t live) {
+  return live >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(live > 0 ? (1u << live) - 1 : 0);
+}
+
+// 16 fp32 results into the first lanes of `mask` at dst, as T (bf16: rounded once, nearest-even).
+template <typename T>
+inline void store_row(T* dst, __mmask16 mask, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_mask_storeu_ps(dst, mask, v);
+  } else {
+    _mm256_mask_storeu_epi16(dst, mask, to_bf16(v));
+  }
+}
+
 // The two column blocks of pair `pair` for rows [m0, m0 + rows) of x. A step of k reads two 64-byte
 // lines (block 0's, then block 1's) and consecutive pairs are consecutive in memory: one sequential stream.
 template <typename T>
@@ -106,17 +121,11 @@ inline void column_pair(const T* x, int64_t x_stride, T* y, int64_t y_stride, co
     const int64_t col = (2 * pair + c) * LANES;
     const int64_t live = std::min<int64_t>(LANES, n - col);
     if (live <= 0) break;  // the zero block padding N to a multiple of 32
-    const __mmask16 mask = live >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
+    const __mmask16 mask = first_lanes(live);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int r = 0; r < ROWS; ++r) {
+    for (int r = 0; r < ROWS; ++r) {  // a constant bound keeps acc[][] in registers
       if (r >= rows) break;
-      const __m512 v = _mm512_add_ps(acc[c][r], b);
-      T* dst = y + (m0 + r) * y_stride + col;
-      if constexpr (std::is_same_v<T, float>) {
-        _mm512_mask_storeu_ps(dst, mask, v);
-      } else {
-        _mm256_mask_storeu_epi16(dst, mask, to_bf16(v));
-      }
+      store_row(y + (m0 + r) * y_stride + col, mask, _mm512_add_ps(acc[c][r], b));
     }
   }
 }
@@ -163,8 +172,7 @@ void quantize_rows(const T* x, int64_t stride, int64_t m, int64_t k, int64_t kp,
       __m512 vmax = _mm512_setzero_ps();
       __mmask16 bad = 0;
       for (int64_t i = 0; i < k; i += LANES) {
-        const __mmask16 live = k - i >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k - i)) - 1);
-        const __m512 v = load_x(row + i, live);
+        const __m512 v = load_x(row + i, first_lanes(k - i));
         bad |= _mm512_fpclass_ps_mask(v, 0x99);  // QNaN | +Inf | -Inf | SNaN
         vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
       }
@@ -174,11 +182,8 @@ void quantize_rows(const T* x, int64_t stride, int64_t m, int64_t k, int64_t kp,
       const __m512 vinv = _mm512_set1_ps(inv);
       int16_t* out = xq + r * kp;
       for (int64_t i = 0; i < kp; i += LANES) {
-        const int64_t left = std::max<int64_t>(0, k - i);
-        const __mmask16 live = left >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-        const __m512 v = _mm512_mul_ps(load_x(row + i, live), vinv);
-        const __mmask16 store = kp - i >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (kp - i)) - 1);
-        _mm512_mask_cvtsepi32_storeu_epi16(out + i, store, _mm512_cvtps_epi32(v));  // nearest-even, saturating
+        const __m512 v = _mm512_mul_ps(load_x(row + i, first_lanes(k - i)), vinv);
+        _mm512_mask_cvtsepi32_storeu_epi16(out + i, first_lanes(kp - i), _mm512_cvtps_epi32(v));  // nearest-even, saturating
       }
     }
   });
@@ -228,18 +233,13 @@ inline void column_pair_int8(const int16_t* xq, int64_t xq_stride, const float* 
     const int64_t col = (2 * pair + c) * LANES;
     const int64_t live = std::min<int64_t>(LANES, n - col);
     if (live <= 0) break;  // the zero block padding N to a multiple of 32
-    const __mmask16 mask = live >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
+    const __mmask16 mask = first_lanes(live);
     const __m512 sc = _mm512_maskz_loadu_ps(mask, wscale + col);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < ROWS; ++r) {
       if (r >= rows) break;
       const __m512 v = _mm512_fmadd_ps(accf[c][r], _mm512_mul_ps(sc, _mm512_set1_ps(xs[m0 + r])), b);
-      T* dst = y + (m0 + r) * y_stride + col;
-      if constexpr (std::is_same_v<T, float>) {
-        _mm512_mask_storeu_ps(dst, mask, v);
-      } else {
-        _mm256_mask_storeu_epi16(dst, mask, to_bf16(v));
-      }
+      store_row(y + (m0 + r) * y_stride + col, mask, v);
     }
   }
 }
@@ -268,8 +268,6 @@ void run_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#endif
 
 }  // namespace
 
@@ -279,6 +277,13 @@ bool small_linear_supported() {
 #else
   return false;
 #endif
+}
+
+// The optional bias [N] as a contiguous float32 tensor (undefined when absent).
+static at::Tensor bias_f32(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [N]");
+  return bias->to(at::kFloat).contiguous();
 }
 
 bool small_linear_int8_supported() {
@@ -326,13 +331,8 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(dtype == at::kFloat ? packed.size(1) == k : packed.size(1) == padded(k, 2) / 2,
               "packed was made for another K than ", k);
   TORCH_CHECK(dtype == at::kFloat || k % 2 == 0, "bf16 x needs an even K");
-  at::Tensor b32;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [N]");
-    b32 = bias->to(at::kFloat).contiguous();
-    bp = b32.data_ptr<float>();
-  }
+  const at::Tensor b32 = bias_f32(bias, n);
+  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if (dtype == at::kFloat)
     run<float>(out, x, packed, bp, n);
@@ -375,13 +375,8 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
   TORCH_CHECK(packed.size(1) == padded(k, 2) / 2, "packed was made for another K than ", k);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous(),
               "scale must be a contiguous float32 [N]");
-  at::Tensor b32;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [N]");
-    b32 = bias->to(at::kFloat).contiguous();
-    bp = b32.data_ptr<float>();
-  }
+  const at::Tensor b32 = bias_f32(bias, n);
+  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   if (dtype == at::kFloat)
     run_int8<float>(out, x, packed, scale.data_ptr<float>(), bp, n);
