@@ -127,15 +127,23 @@ def linear_ceiling(
     """Median and fastest time of one step's matmuls, each way that applies; the fastest way is the ceiling."""
     xs = {k: torch.randn(batch, k).to(dtype) for _, k in engine}
     pointwise = torch.ops.mkldnn._linear_pointwise
-    ways: dict[str, Callable[[], None]] = {}
+    calls: dict[str, list[tuple[Callable[..., Any], tuple[Any, ...]]]] = {}
     if dense_w is not None:
-        dense_args = [(xs[w.shape[1]].float(), w) for w in dense_w]
-        ways["dense"] = lambda: [F.linear(x, w) for x, w in dense_args] and None
+        calls["dense"] = [(F.linear, (xs[w.shape[1]].float(), w)) for w in dense_w]
     if packed_w is not None:
-        packed_args = [(xs[k], w) for (_, k), w in zip(engine, packed_w, strict=True)]
-        ways["packed"] = lambda: [pointwise(x, w, None, "none", [], "") for x, w in packed_args] and None
-    engine_args = [(fn, xs[k]) for fn, k in engine]
-    ways["engine"] = lambda: [fn(x) for fn, x in engine_args] and None
+        calls["packed"] = [
+            (pointwise, (xs[k], w, None, "none", [], "")) for (_, k), w in zip(engine, packed_w, strict=True)
+        ]
+    calls["engine"] = [(fn, (xs[k],)) for fn, k in engine]
+
+    def runner(way: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> Callable[[], None]:
+        def run() -> None:
+            for fn, fn_args in way:
+                fn(*fn_args)
+
+        return run
+
+    ways = {name: runner(way) for name, way in calls.items()}
     times = {name: time_loop(fn, min_s, 5) for name, fn in ways.items()}
     t = min(median for median, _ in times.values())
     return {
@@ -253,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     stages = attention_stages(h, reps=20 if not q else 5)
     print(f"--- one layer's decode attention at batch {bd_batch} (replica of torch_paged._decode), ms per layer:")
+    if not stages:
+        print("  (not run: the replica is the fp32 torch path, this model's KV cache is not fp32)")
     for k, v in stages.items():
         print(f"  {k:50s} {v:8.3f}" + ("" if "MB" in k else f"   x30 layers = {v * 30:.2f} ms/step"))
     profiles = {}

@@ -58,17 +58,22 @@ def bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
 
 
-def test_bf16_greedy_agrees_with_transformers_bf16_or_ties(
-    smollm2_bf16: LoadedModel, hf_bf16: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
-    prompt = ChatFormatter(smollm2_bf16.tokenizer).first_turn("Explain what a KV cache is in one sentence.")
-    llm = LLM(loaded=smollm2_bf16, device="cpu")
+def teacher_forced(loaded: LoadedModel, hf_model: Any) -> tuple[list[int], torch.Tensor]:
+    """Our ``NEW_TOKENS`` greedy tokens for a fixed chat prompt, and the ``hf_model`` logits rows predicting them."""
+    prompt = ChatFormatter(loaded.tokenizer).first_turn("Explain what a KV cache is in one sentence.")
+    llm = LLM(loaded=loaded, device="cpu")
     (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     ours = out.outputs[0].token_ids
     with torch.inference_mode():
-        logits = hf_bf16(torch.tensor([prompt + ours])).logits[0].float()
+        logits = hf_model(torch.tensor([prompt + ours])).logits[0].float()
     # Row p predicts token p + 1: generated token i comes from row len(prompt) - 1 + i.
-    rows = logits[len(prompt) - 1 : len(prompt) - 1 + NEW_TOKENS]
+    return ours, logits[len(prompt) - 1 : len(prompt) - 1 + NEW_TOKENS]
+
+
+def test_bf16_greedy_agrees_with_transformers_bf16_or_ties(
+    smollm2_bf16: LoadedModel, hf_bf16: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ours, rows = teacher_forced(smollm2_bf16, hf_bf16)
     verdicts = []
     for i, (row, token) in enumerate(zip(rows, ours, strict=True)):
         top = int(row.argmax())

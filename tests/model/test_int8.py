@@ -13,17 +13,12 @@ on this CPU) and in fp32:
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
-from streamkv.llm import LLM
-from streamkv.model.chat import ChatFormatter
 from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf
 from streamkv.ops.cpu_ops import load_linear_ops
-from streamkv.sampling_params import SamplingParams
-from tests.model.test_bf16 import NEW_TOKENS, TEXT, perplexity
+from tests.model.test_bf16 import NEW_TOKENS, TEXT, perplexity, teacher_forced
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +45,7 @@ def test_int8_runs_on_its_kernel_with_no_dense_copy(smollm2_int8: LoadedModel) -
 def test_int8_greedy_agrees_with_transformers_fp32(
     smollm2_int8: LoadedModel, smollm2_checkpoint: HFCheckpoint, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    prompt = ChatFormatter(smollm2_int8.tokenizer).first_turn("Explain what a KV cache is in one sentence.")
-    llm = LLM(loaded=smollm2_int8, device="cpu")
-    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    ours = out.outputs[0].token_ids
-    hf: Any = smollm2_checkpoint.model
-    with torch.inference_mode():
-        rows = hf(torch.tensor([prompt + ours])).logits[0].float()[len(prompt) - 1 : len(prompt) - 1 + NEW_TOKENS]
+    ours, rows = teacher_forced(smollm2_int8, smollm2_checkpoint.model)
     misses = [
         (i, float(row.max() - row[t]))
         for i, (row, t) in enumerate(zip(rows, ours, strict=True))
