@@ -219,6 +219,23 @@ def test_bf16_prefill_error_no_worse_than_the_torch_bf16_path() -> None:
     assert float(our_err.max()) <= 1.5 * float(torch_err.max())
 
 
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 5)])
+def test_bf16_decode_error_no_worse_than_the_torch_bf16_path(head_dim: int, block_size: int) -> None:
+    # The decode op's bf16 variant (vdpbf16ps in both products, softmax weights rounded to bf16): odd and even
+    # context lengths (the last token pairs with a zero row), a block size that splits token pairs.
+    seq_lens = [1, 2, 17, 333, 700, 64, 31]
+    step = ([1] * len(seq_lens), seq_lens, 9, 3, head_dim, block_size)
+    ref, _ = run_step("float32", TorchPagedAttention(), *step, seed=6)
+    torch_err = (
+        run_step("bfloat16", TorchPagedAttention(), *step, dtype=torch.bfloat16, seed=6)[0].float() - ref
+    ).abs()
+    ours = run_step("bfloat16", cpu_paged.CpuPagedAttention(), *step, dtype=torch.bfloat16, seed=6)[0]
+    assert not ours.isnan().any()
+    our_err = (ours.float() - ref).abs()
+    assert float(our_err.mean()) <= 1.2 * float(torch_err.mean())
+    assert float(our_err.max()) <= 1.5 * float(torch_err.max())
+
+
 def test_write_kv_refuses_a_slot_outside_the_pool_before_writing_any() -> None:
     ops = cpu_paged.load_cpu_ops()
     kv = torch.zeros(2, 2, 4, 3, 8)  # 8 slots

@@ -272,6 +272,155 @@ void decode_avx512(
     }
   });
 }
+
+#if defined(__AVX512BF16__)
+// bf16 query on bf16 KV (AVX512-BF16): the contract of decode_avx512, with both products on vdpbf16ps,
+// which multiplies bf16 pairs exactly and adds them in fp32 (the scores and the softmax stay fp32).
+// - Pass 1 takes a key row as it lies in the pool: adjacent head dims are the pairs, so q . k is C / 2
+//   instructions (C * 4 fp32 FMAs and C bf16-to-fp32 widenings before), and the scale goes on the score.
+// - Pass 2 pairs two tokens: the softmax weights are rounded to bf16 (as the prefill kernel and torch's
+//   bf16 attention round them; the sum counts the rounded weights), and V rows p and p + 1 are interleaved
+//   16 bits at a time (vpunpck[lh]wd), so lane i of each accumulator holds one head dim, put back in order
+//   once per task. An odd last token pairs with zeros, never with a row it must not read.
+// Measured against decode_avx512 on this engine's bf16 decode steps: docs/benchmarks.md, "bf16 decode attention".
+template <int C>
+void decode_avx512_bf16(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  using bf16 = at::BFloat16;
+  constexpr int64_t head_dim = 16 * C;
+  constexpr int W = C / 2;  // 32-value vectors per row
+  const int64_t num_seqs = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_stride_s = query.stride(0), q_stride_h = query.stride(1);
+  const int64_t o_stride_s = out.stride(0), o_stride_h = out.stride(1);
+  const int64_t bt_stride = block_tables.stride(0);
+  const int64_t row = kv_cache.size(4);
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(bf16));
+  const int64_t slot_stride = num_kv_heads * row;
+  const int64_t block_stride = block_size * slot_stride;
+  const int64_t v_offset = kv_cache.stride(0);
+
+  const bf16* q_ptr = query.data_ptr<bf16>();
+  bf16* o_ptr = out.data_ptr<bf16>();
+  const bf16* kv_ptr = kv_cache.data_ptr<bf16>();
+  const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
+  const int32_t* len_ptr = seq_lens.data_ptr<int32_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max<int64_t>(max_len, len_ptr[b]);
+  const int64_t padded_len = (max_len + 15) / 16 * 16 + 16;
+  const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> q(group * W);
+    std::vector<__m512> acc(group * C);
+    std::vector<float> scores(group * padded_len);
+    std::vector<int32_t> weights(group * (padded_len / 2));  // bf16 weight pairs of tokens (2i, 2i + 1)
+    std::vector<float> inv_sum(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t len = len_ptr[b];
+      const int32_t* table = bt_ptr + b * bt_stride;
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      auto block_row = [&](int64_t j) { return kv_ptr + table[j] * block_stride + h * row; };
+      for (int64_t g = 0; g < group; ++g) {
+        const bf16* src = q_ptr + b * q_stride_s + (h * group + g) * q_stride_h;
+        for (int w = 0; w < W; ++w) q[g * W + w] = _mm512_loadu_si512(src + 32 * w);
+        for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
+      }
+      // Pass 1: scores[g, p] = (q_g . k_p) * scale, up to 16 keys of a block at a time.
+      if (num_blocks > 1) prefetch_block(block_row(1), block_size, slot_stride, row_bytes);
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const bf16* base = block_row(j);
+        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), block_size, slot_stride, row_bytes);
+        const int64_t block_len = std::min(block_size, len - j * block_size);
+        for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
+          const int64_t n = std::min<int64_t>(16, block_len - k0);
+          const int64_t p0 = j * block_size + k0;
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 part[16];
+            for (int k = 0; k < 16; ++k) {
+              if (k >= n) {
+                part[reduce_slot(k)] = _mm512_setzero_ps();
+                continue;
+              }
+              const bf16* key = base + (k0 + k) * slot_stride;
+              __m512 s = _mm512_setzero_ps();
+              for (int w = 0; w < W; ++w)
+                s = _mm512_dpbf16_ps(s, (__m512bh)q[g * W + w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
+              part[reduce_slot(k)] = s;
+            }
+            _mm512_storeu_ps(&scores[g * padded_len + p0], _mm512_mul_ps(reduce16(part), scale16));
+          }
+        }
+      }
+      prefetch_block(block_row(0) + v_offset, std::min(block_size, len), slot_stride, row_bytes);
+      if (num_blocks > 1) prefetch_block(block_row(1) + v_offset, block_size, slot_stride, row_bytes);
+      // Softmax per query head in fp32; the weights rounded to bf16, padded with a zero weight to an even count.
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = &scores[g * padded_len];
+        __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t p = 0; p < len; p += 16) {
+          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
+          m16 = _mm512_mask_max_ps(m16, live, m16, _mm512_maskz_loadu_ps(live, s + p));
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(m16));
+        __m512 sum16 = _mm512_setzero_ps();
+        auto* wb = reinterpret_cast<__m256i*>(&weights[g * (padded_len / 2)]);
+        for (int64_t p = 0; p < len; p += 16) {
+          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
+          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + p), m)));
+          const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+          _mm256_storeu_si256(wb + p / 16, eb);
+          sum16 = _mm512_add_ps(sum16, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+        }
+        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum16);
+      }
+      // Pass 2: acc_g += w_g,p v_p + w_g,p+1 v_p+1 over token pairs, the next blocks prefetched as pass 1 does.
+      int64_t j = 0, off = 0;  // token p sits at offset off of logical block j
+      auto advance = [&] {
+        if (++off == block_size) {
+          off = 0;
+          ++j;
+          if (j + 2 < num_blocks) prefetch_block(block_row(j + 2) + v_offset, block_size, slot_stride, row_bytes);
+        }
+      };
+      if (2 < num_blocks) prefetch_block(block_row(2) + v_offset, block_size, slot_stride, row_bytes);
+      for (int64_t p = 0; p < len; p += 2) {
+        const bf16* v0 = block_row(j) + v_offset + off * slot_stride;
+        advance();
+        const bf16* v1 = p + 1 < len ? block_row(j) + v_offset + off * slot_stride : nullptr;
+        advance();
+        __m512i vi[C];
+        for (int w = 0; w < W; ++w) {
+          const __m512i a = _mm512_loadu_si512(v0 + 32 * w);
+          const __m512i c = v1 != nullptr ? _mm512_loadu_si512(v1 + 32 * w) : _mm512_setzero_si512();
+          vi[2 * w] = _mm512_unpacklo_epi16(a, c);
+          vi[2 * w + 1] = _mm512_unpackhi_epi16(a, c);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512bh wp = (__m512bh)_mm512_set1_epi32(weights[g * (padded_len / 2) + p / 2]);
+          for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_dpbf16_ps(acc[g * C + c], wp, (__m512bh)vi[c]);
+        }
+      }
+      // Lane 4L + i of vi[2w] holds head dim 32w + 8L + i, of vi[2w + 1] dim 32w + 8L + 4 + i (i < 4).
+      for (int64_t g = 0; g < group; ++g) {
+        alignas(64) float tmp[head_dim];
+        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g * C + c], inv));
+        bf16* dst = o_ptr + b * o_stride_s + (h * group + g) * o_stride_h;
+        for (int w = 0; w < W; ++w)
+          for (int half = 0; half < 2; ++half)
+            for (int lane = 0; lane < 16; ++lane)
+              dst[32 * w + 8 * (lane / 4) + 4 * half + lane % 4] = static_cast<bf16>(tmp[16 * (2 * w + half) + lane]);
+      }
+    }
+  });
+}
+#endif
 #endif
 
 // Picks the vectorised kernel for the common head dims, the portable one otherwise.
@@ -279,6 +428,15 @@ template <typename q_t, typename kv_t>
 void decode_kernel(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16>) {
+    switch (query.size(2)) {
+      case 64: return decode_avx512_bf16<4>(out, query, kv_cache, block_tables, seq_lens, scale);
+      case 128: return decode_avx512_bf16<8>(out, query, kv_cache, block_tables, seq_lens, scale);
+      default: break;
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   switch (query.size(2)) {
     case 64: return decode_avx512<4, q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale);
