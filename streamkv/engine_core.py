@@ -281,7 +281,7 @@ class EngineCore:
             params = [seq.request.params for seq in seqs]
             # min_tokens masks EOS and stop ids; logprobs only for the rows that ask (OpenAI API)
             masked = apply_min_tokens(logits, params, [seq.num_output_tokens for seq in seqs], self.eos_token_ids)
-            tokens = sample_batch(masked, params, self.outputs.generators(seqs))
+            tokens = sample_batch(masked, params, self.outputs.generators(seqs), self.loaded.model.fused_ops)
             logprobs = compute_logprobs(logits, tokens, params)
         self.outputs.process(seqs, tokens, time.monotonic(), logprobs)
         self.num_steps += 1

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from streamkv.attention.metadata import AttentionMetadata
@@ -93,6 +95,45 @@ def test_ops_refuse_bad_input_with_a_clear_error() -> None:
         ops.silu_and_mul(torch.empty(4, 3), x)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.rms_norm(x.half(), x.half(), torch.ones(8).half(), EPS)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    ops.argmax_rows(out, logits)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 300, 49152])
+def test_argmax_rows_equals_torch_argmax_with_ties_and_a_strided_view(vocab: int) -> None:
+    torch.manual_seed(vocab)
+    x = torch.randn(9, vocab)
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    ties = torch.randint(-2, 3, (9, vocab)).float()  # many equal maxima per row: the first one wins
+    assert torch.equal(argmax_rows(ties), ties.argmax(-1))
+    wide = torch.randn(5, vocab + 7)[:, 3 : 3 + vocab]  # rows of a wider tensor: row stride != vocab
+    assert torch.equal(argmax_rows(wide), wide.argmax(-1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    vocab=st.integers(1, 100),
+    specials=st.lists(st.tuples(st.integers(0, 99), st.sampled_from([float("nan"), float("inf"), float("-inf")]))),
+)
+def test_argmax_rows_takes_nan_and_infinities_as_torch_does(vocab: int, specials: list[tuple[int, float]]) -> None:
+    x = torch.full((2, vocab), float("-inf"))  # row 0 stays all -inf: index 0
+    x[1] = torch.linspace(-1, 1, vocab)
+    for i, v in specials:
+        x[1, i % vocab] = v
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+
+
+def test_argmax_rows_refuses_bad_input() -> None:
+    with pytest.raises(RuntimeError, match="float32"):
+        argmax_rows(torch.randn(2, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="int64"):
+        ops.argmax_rows(torch.empty(2, dtype=torch.int32), torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="V must be"):
+        argmax_rows(torch.randn(2, 0))
 
 
 def small_llama(dtype: torch.dtype) -> LlamaForCausalLM:

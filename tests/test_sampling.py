@@ -7,13 +7,28 @@ import math
 import pytest
 import torch
 
-from streamkv.sampling import sample_batch, sample_token
+from streamkv.ops.cpu_ops import load_fused_ops
+from streamkv.sampling import greedy_tokens, sample_batch, sample_token
 from streamkv.sampling_params import SamplingParams
 
 
 def test_greedy_takes_argmax():
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
     assert sample_token(logits, SamplingParams(temperature=0), None) == 1
+
+
+@pytest.mark.skipif(load_fused_ops() is None, reason="the fused C++ ops could not be built here")
+def test_greedy_rows_on_the_cpu_op_equal_torch_argmax_in_a_mixed_batch():
+    ops = load_fused_ops()
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3))
+    logits[2, 10] = logits[2, 900] = logits[2].max() + 1  # a tie: the first index
+    params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=1.0, seed=1)] + [SamplingParams()] * 2
+    params[5] = SamplingParams(temperature=0)
+    gens = [None, None, None, torch.Generator().manual_seed(1), None, None]
+    want = logits.argmax(-1).tolist()
+    assert greedy_tokens(logits, ops) == want == greedy_tokens(logits)
+    got = sample_batch(logits, params, gens, ops)
+    assert [got[i] for i in (0, 1, 2, 5)] == [want[i] for i in (0, 1, 2, 5)] and got[2] == 10
 
 
 def test_top_k_one_is_greedy_whatever_the_temperature():

@@ -148,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.packed_lm_head: torch.Tensor | None = None
         self.small_lm_head: SmallMatmul | None = None
+        # The fused C++ ops while in use (use_fused_ops); the engine's greedy sampling takes their argmax too.
+        self.fused_ops: ModuleType | None = None
         self.max_positions = max_positions or config.max_position_embeddings
         # Filled by reset_rope() once the weights are in (the loader calls it).
         self.register_buffer("rope_cos", torch.empty(self.max_positions, config.head_dim), persistent=False)
@@ -212,7 +214,8 @@ class LlamaForCausalLM(nn.Module):
     def use_fused_ops(self, ops: ModuleType | None) -> bool:
         """Run RMSNorm (with its residual add), SiLU-and-mul and RoPE on ``ops`` (the fused C++ extension).
 
-        ``None`` restores the torch ops. Only a CPU model in float32 or
+        ``ops`` is kept as :attr:`fused_ops` (the engine's greedy argmax uses
+        it too). ``None`` restores the torch ops. Only a CPU model in float32 or
         bfloat16 takes them.
 
         Args:
@@ -227,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.fused = ops
+        self.fused_ops = ops
         return ops is not None
 
     @torch.no_grad()

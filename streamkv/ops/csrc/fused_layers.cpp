@@ -1,5 +1,5 @@
 // Fused element-wise ops of a Llama decoder layer on the CPU: residual add + RMSNorm,
-// SiLU-and-mul, RoPE. Each reads its inputs once and writes its output once, where the
+// SiLU-and-mul, RoPE; and the greedy argmax of logit rows. Each reads its inputs once and writes its output once, where the
 // torch composition makes 2-5 passes (x.float(), pow, mean, rsqrt, mul, to(bf16), mul, ...)
 // over the same rows.
 //
@@ -24,6 +24,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace {
 
@@ -195,6 +196,52 @@ void rope_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, cons
   });
 }
 
+// Index of the first maximum of one row, torch.argmax's answer: a NaN counts as the maximum (the first NaN
+// wins), ties go to the lowest index, a row of -inf gives 0.
+inline int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_i = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    // Per lane: the first index holding that lane's maximum (strict > keeps the earliest).
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512i idx = _mm512_setzero_si512();
+    __m512i cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, m, _CMP_GT_OQ);
+      m = _mm512_mask_mov_ps(m, gt, v);
+      idx = _mm512_mask_mov_epi32(idx, gt, cur);
+      cur = _mm512_add_epi32(cur, step);
+    }
+    if (nan) {
+      for (int64_t j = 0; j < n; ++j)
+        if (std::isnan(x[j])) return j;
+    }
+    alignas(64) float mv[16];
+    alignas(64) int32_t iv[16];
+    _mm512_store_ps(mv, m);
+    _mm512_store_si512(iv, idx);
+    best = mv[0], best_i = iv[0];
+    for (int k = 1; k < 16; ++k)
+      if (mv[k] > best || (mv[k] == best && iv[k] < best_i)) best = mv[k], best_i = iv[k];
+  }
+#endif
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) {
+      for (int64_t j = 0; j < i; ++j)
+        if (std::isnan(x[j])) return j;
+      return i;
+    }
+    if (x[i] > best) best = x[i], best_i = i;
+  }
+  return best_i;
+}
+
 void check_same(const at::Tensor& a, const at::Tensor& b, const char* what) {
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, ": dtypes differ");
   TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16, what, ": float32 or bfloat16 only");
@@ -253,9 +300,27 @@ void rope(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::
   else rope_impl<at::BFloat16>(out, x, cos, sin);
 }
 
+// out [N] (int64) = argmax of each row of logits [N, V] (float32), as torch.argmax(logits, dim=-1) answers it.
+void argmax_rows(at::Tensor out, const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && out.device().is_cpu(), "argmax_rows: CPU tensors only");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "argmax_rows: logits must be float32 [N, V] with a unit last stride");
+  TORCH_CHECK(logits.size(1) > 0 && logits.size(1) <= std::numeric_limits<int32_t>::max(),
+              "argmax_rows: V must be in [1, 2^31)");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == logits.size(0) && out.is_contiguous(),
+              "argmax_rows: out must be a contiguous int64 [N]");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * stride, n);
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (CPU, fp32/bf16)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual (CPU, fp32/bf16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (CPU, fp32/bf16)");
   m.def("rope", &rope, "rotary embedding, half-split layout (CPU, fp32/bf16)");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, -1) of float32 rows (CPU)");
 }
