@@ -384,6 +384,14 @@ class Attention(nn.Module):
         return self.o_proj.forward(out.reshape(num_tokens, hq * d))
 
 
+# A prefill step of 4,096 rows makes a [4096, 2 I] gate_up output (50 MB in fp32 for SmolLM2) that leaves the
+# cache before silu_and_mul and down_proj read it, and oneDNN's fp32 gate_up ran at ~150 GFLOP/s against ~190 at
+# 512-1,024 rows. Slices of 1,024 rows: the 4,096-token fp32 prefill 5-9% faster in three alternating rounds
+# (docs/benchmarks.md, "MLP slices in long prefill steps"). Rows are independent, so the result is the same
+# matmul per row, at another M.
+MLP_SLICE_ROWS = 1024
+
+
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
 
@@ -395,7 +403,12 @@ class MLP(nn.Module):
         self.fused: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``."""
+        """``x [T, H]`` -> ``[T, H]``; on the CPU a long step runs in slices of ``MLP_SLICE_ROWS`` rows."""
+        if x.shape[0] > MLP_SLICE_ROWS and x.device.type == "cpu":
+            return torch.cat([self._forward(x[i : i + MLP_SLICE_ROWS]) for i in range(0, x.shape[0], MLP_SLICE_ROWS)])
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)  # [T, 2 I]
         if self.fused is not None:
             act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)

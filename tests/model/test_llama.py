@@ -13,6 +13,7 @@ from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from streamkv.config import ModelConfig
+from streamkv.model import llama
 from streamkv.model.llama import LlamaConfig, LlamaForCausalLM, RopeScaling, rope_inv_freq
 from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf, load_model
 
@@ -139,6 +140,22 @@ def test_tiny_cpu_attention_backend_matches_transformers(tiny: tuple[LoadedModel
     ours, hf_model = tiny
     seqs = random_seqs(ours.model.config.vocab_size, seed=9)
     assert_matches_hf(ours, hf_model, seqs, schedule_name, backend=cpu_paged.CpuPagedAttention())
+
+
+@pytest.mark.parametrize("schedule_name", ["prefill_then_decode", "mixed_batch"])
+def test_tiny_mlp_in_row_slices_matches_transformers(
+    tiny: tuple[LoadedModel, Any], schedule_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Long CPU steps run the MLP in slices of MLP_SLICE_ROWS rows; 4 here, so every prefill is cut, a partial
+    # slice included, and each slice's rows must land where they belong.
+    monkeypatch.setattr(llama, "MLP_SLICE_ROWS", 4)
+    ours, hf_model = tiny
+    calls: list[int] = []
+    mlp = ours.model.model.layers[0].mlp
+    inner = mlp._forward
+    monkeypatch.setattr(mlp, "_forward", lambda x: calls.append(x.shape[0]) or inner(x))
+    assert_matches_hf(ours, hf_model, random_seqs(ours.model.config.vocab_size, seed=10), schedule_name)
+    assert max(calls) == 4 and any(n < 4 for n in calls)
 
 
 def test_tiny_plain_matmul_path_matches_too(tiny: tuple[LoadedModel, Any]) -> None:
