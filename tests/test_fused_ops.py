@@ -112,6 +112,10 @@ def test_argmax_rows_equals_torch_argmax_with_ties_and_a_strided_view(vocab: int
     assert torch.equal(argmax_rows(ties), ties.argmax(-1))
     wide = torch.randn(5, vocab + 7)[:, 3 : 3 + vocab]  # rows of a wider tensor: row stride != vocab
     assert torch.equal(argmax_rows(wide), wide.argmax(-1))
+    zeros = torch.full((3, vocab), -1.0)
+    zeros[0, -1], zeros[1, 0], zeros[2, vocab // 2 :] = 0.0, -0.0, torch.tensor(-0.0)  # -0.0 == 0.0: first one wins
+    zeros[2, -1] = 0.0
+    assert torch.equal(argmax_rows(zeros), zeros.argmax(-1))
 
 
 @settings(max_examples=60, deadline=None)

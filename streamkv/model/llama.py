@@ -386,9 +386,9 @@ class Attention(nn.Module):
 
 # A prefill step of 4,096 rows makes a [4096, 2 I] gate_up output (50 MB in fp32 for SmolLM2) that leaves the
 # cache before silu_and_mul and down_proj read it, and oneDNN's fp32 gate_up ran at ~150 GFLOP/s against ~190 at
-# 512-1,024 rows. Slices of 1,024 rows: the 4,096-token fp32 prefill 5-9% faster in three alternating rounds
-# (docs/benchmarks.md, "MLP slices in long prefill steps"). Rows are independent, so the result is the same
-# matmul per row, at another M.
+# 512 rows. Slices of 1,024 rows: the 4,096-token fp32 prefill 5-9% faster in three alternating rounds
+# (docs/benchmarks.md, "MLP slices in long prefill steps"). Rows are independent: each row gets the matmul of a
+# smaller batch (a short last slice may take the small-batch kernel), as a smaller token budget would give it.
 MLP_SLICE_ROWS = 1024
 
 

@@ -219,7 +219,7 @@ def test_bf16_prefill_error_no_worse_than_the_torch_bf16_path() -> None:
     assert float(our_err.max()) <= 1.5 * float(torch_err.max())
 
 
-@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 5)])
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 5), (128, 5), (64, 1)])
 def test_bf16_decode_error_no_worse_than_the_torch_bf16_path(head_dim: int, block_size: int) -> None:
     # The decode op's bf16 variant (vdpbf16ps in both products, softmax weights rounded to bf16): odd and even
     # context lengths (the last token pairs with a zero row), a block size that splits token pairs.

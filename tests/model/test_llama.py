@@ -150,12 +150,15 @@ def test_tiny_mlp_in_row_slices_matches_transformers(
     # slice included, and each slice's rows must land where they belong.
     monkeypatch.setattr(llama, "MLP_SLICE_ROWS", 4)
     ours, hf_model = tiny
-    calls: list[int] = []
+    steps: list[tuple[int, list[int]]] = []  # (rows of a step, the slices its MLP ran)
     mlp = ours.model.model.layers[0].mlp
-    inner = mlp._forward
-    monkeypatch.setattr(mlp, "_forward", lambda x: calls.append(x.shape[0]) or inner(x))
+    outer, inner = mlp.forward, mlp._forward
+    monkeypatch.setattr(mlp, "forward", lambda x: steps.append((x.shape[0], [])) or outer(x))
+    monkeypatch.setattr(mlp, "_forward", lambda x: steps[-1][1].append(x.shape[0]) or inner(x))
     assert_matches_hf(ours, hf_model, random_seqs(ours.model.config.vocab_size, seed=10), schedule_name)
-    assert max(calls) == 4 and any(n < 4 for n in calls)
+    sliced = [(rows, slices) for rows, slices in steps if rows > 4]
+    assert sliced and all(sum(s) == rows and max(s) == 4 for rows, s in sliced)
+    assert any(rows % 4 for rows, _ in sliced)  # a partial last slice
 
 
 def test_tiny_plain_matmul_path_matches_too(tiny: tuple[LoadedModel, Any]) -> None:

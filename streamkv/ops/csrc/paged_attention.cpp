@@ -282,7 +282,8 @@ void decode_avx512(
 //   bf16 attention round them; the sum counts the rounded weights), and V rows p and p + 1 are interleaved
 //   16 bits at a time (vpunpck[lh]wd), so lane i of each accumulator holds one head dim, put back in order
 //   once per task. An odd last token pairs with zeros, never with a row it must not read.
-// Measured against decode_avx512 on this engine's bf16 decode steps: docs/benchmarks.md, "bf16 decode attention".
+// Measured against decode_avx512 on this engine's bf16 decode steps: docs/benchmarks.md, "bf16 decode attention and
+// greedy argmax".
 template <int C>
 void decode_avx512_bf16(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
