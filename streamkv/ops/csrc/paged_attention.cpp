@@ -146,6 +146,33 @@ inline void prefetch_block(const kv_t* first_row, int64_t rows, int64_t slot_str
     for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
+// The sizes, strides and pointers both AVX-512 decode kernels read from their arguments, and the scores'
+// per-head stride (max_len rounded up to 16, plus 16 lanes of scratch).
+template <typename q_t, typename kv_t>
+struct DecodeView {
+  int64_t num_seqs, num_heads, block_size, num_kv_heads, group, q_stride_s, q_stride_h, o_stride_s, o_stride_h,
+      bt_stride, row, row_bytes, slot_stride, block_stride, v_offset, max_len, padded_len;
+  const q_t* q_ptr;
+  q_t* o_ptr;
+  const kv_t* kv_ptr;
+  const int32_t* bt_ptr;
+  const int32_t* len_ptr;
+
+  DecodeView(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+             const at::Tensor& seq_lens)
+      : num_seqs(query.size(0)), num_heads(query.size(1)), block_size(kv_cache.size(2)),
+        num_kv_heads(kv_cache.size(3)), group(num_heads / num_kv_heads), q_stride_s(query.stride(0)),
+        q_stride_h(query.stride(1)), o_stride_s(out.stride(0)), o_stride_h(out.stride(1)),
+        bt_stride(block_tables.stride(0)), row(kv_cache.size(4)), row_bytes(row * static_cast<int64_t>(sizeof(kv_t))),
+        slot_stride(num_kv_heads * row), block_stride(block_size * slot_stride), v_offset(kv_cache.stride(0)),
+        q_ptr(query.data_ptr<q_t>()), o_ptr(out.data_ptr<q_t>()), kv_ptr(kv_cache.data_ptr<kv_t>()),
+        bt_ptr(block_tables.data_ptr<int32_t>()), len_ptr(seq_lens.data_ptr<int32_t>()) {
+    max_len = 0;
+    for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max<int64_t>(max_len, len_ptr[b]);
+    padded_len = (max_len + 15) / 16 * 16 + 16;
+  }
+};
+
 // The same contract as decode_generic, for head_dim == 16 * C: a task's queries and its
 // accumulators sit in zmm-sized chunks, each K/V row is C loads, exp is vectorised.
 // Pass 1 takes up to 16 keys of one block at a time and sums their dot products with one reduce16;
@@ -155,81 +182,61 @@ void decode_avx512(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   constexpr int64_t head_dim = 16 * C;
-  const int64_t num_seqs = query.size(0);
-  const int64_t num_heads = query.size(1);
-  const int64_t block_size = kv_cache.size(2);
-  const int64_t num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t q_stride_s = query.stride(0), q_stride_h = query.stride(1);
-  const int64_t o_stride_s = out.stride(0), o_stride_h = out.stride(1);
-  const int64_t bt_stride = block_tables.stride(0);
-  const int64_t row = kv_cache.size(4);
-  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(kv_t));
-  const int64_t slot_stride = num_kv_heads * row;
-  const int64_t block_stride = block_size * slot_stride;
-  const int64_t v_offset = kv_cache.stride(0);
+  const DecodeView<q_t, kv_t> view(out, query, kv_cache, block_tables, seq_lens);
 
-  const q_t* q_ptr = query.data_ptr<q_t>();
-  q_t* o_ptr = out.data_ptr<q_t>();
-  const kv_t* kv_ptr = kv_cache.data_ptr<kv_t>();
-  const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
-  const int32_t* len_ptr = seq_lens.data_ptr<int32_t>();
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max<int64_t>(max_len, len_ptr[b]);
-  const int64_t padded_len = (max_len + 15) / 16 * 16 + 16;
-
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> q(group * C), acc(group * C);
-    std::vector<float> scores(group * padded_len);
-    std::vector<float> inv_sum(group);
+  at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
+    std::vector<__m512> q(d.group * C), acc(d.group * C);
+    std::vector<float> scores(d.group * d.padded_len);
+    std::vector<float> inv_sum(d.group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = len_ptr[b];
-      const int32_t* table = bt_ptr + b * bt_stride;
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      const int64_t b = task / d.num_kv_heads, h = task % d.num_kv_heads;
+      const int64_t len = d.len_ptr[b];
+      const int32_t* table = d.bt_ptr + b * d.bt_stride;
+      const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
       // Row of this head at slot 0 of logical block j (K half; add v_offset for V).
-      auto block_row = [&](int64_t j) { return kv_ptr + table[j] * block_stride + h * row; };
-      for (int64_t g = 0; g < group; ++g) {
-        const q_t* src = q_ptr + b * q_stride_s + (h * group + g) * q_stride_h;
+      auto block_row = [&](int64_t j) { return d.kv_ptr + table[j] * d.block_stride + h * d.row; };
+      for (int64_t g = 0; g < d.group; ++g) {
+        const q_t* src = d.q_ptr + b * d.q_stride_s + (h * d.group + g) * d.q_stride_h;
         alignas(64) float tmp[head_dim];
         for (int64_t i = 0; i < head_dim; ++i) tmp[i] = static_cast<float>(src[i]) * static_cast<float>(scale);
         for (int c = 0; c < C; ++c) q[g * C + c] = _mm512_load_ps(tmp + 16 * c);
         for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
       }
       // Pass 1: scores[g, p] = q_g . k_p, up to 16 keys of a block at a time.
-      if (num_blocks > 1) prefetch_block(block_row(1), block_size, slot_stride, row_bytes);
+      if (num_blocks > 1) prefetch_block(block_row(1), d.block_size, d.slot_stride, d.row_bytes);
       for (int64_t j = 0; j < num_blocks; ++j) {
         const kv_t* base = block_row(j);
-        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), block_size, slot_stride, row_bytes);
-        const int64_t block_len = std::min(block_size, len - j * block_size);
+        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), d.block_size, d.slot_stride, d.row_bytes);
+        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
         for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
           const int64_t n = std::min<int64_t>(16, block_len - k0);
-          const int64_t p0 = j * block_size + k0;  // scores past p0 + n are scratch, overwritten or unread
+          const int64_t p0 = j * d.block_size + k0;  // scores past p0 + n are scratch, overwritten or unread
           alignas(64) float ks[16];
-          for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * slot_stride, head_dim) : 0.f;
-          for (int64_t g = 0; g < group; ++g) {
+          for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * d.slot_stride, head_dim) : 0.f;
+          for (int64_t g = 0; g < d.group; ++g) {
             __m512 part[16];
             for (int k = 0; k < 16; ++k) {
               if (k >= n) {
                 part[reduce_slot(k)] = _mm512_setzero_ps();
                 continue;
               }
-              const kv_t* key = base + (k0 + k) * slot_stride;
+              const kv_t* key = base + (k0 + k) * d.slot_stride;
               __m512 s = _mm512_mul_ps(q[g * C], load16(key));
               for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[g * C + c], load16(key + 16 * c), s);
               part[reduce_slot(k)] = s;
             }
             __m512 sc = reduce16(part);
             if constexpr (is_quantized<kv_t>) sc = _mm512_mul_ps(sc, _mm512_load_ps(ks));
-            _mm512_storeu_ps(&scores[g * padded_len + p0], sc);
+            _mm512_storeu_ps(&scores[g * d.padded_len + p0], sc);
           }
         }
       }
-      prefetch_block(block_row(0) + v_offset, std::min(block_size, len), slot_stride, row_bytes);
-      if (num_blocks > 1) prefetch_block(block_row(1) + v_offset, block_size, slot_stride, row_bytes);
+      prefetch_block(block_row(0) + d.v_offset, std::min(d.block_size, len), d.slot_stride, d.row_bytes);
+      if (num_blocks > 1) prefetch_block(block_row(1) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
       // Softmax per query head; lanes past len are masked out of max, exp and sum.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = &scores[g * padded_len];
+      for (int64_t g = 0; g < d.group; ++g) {
+        float* s = &scores[g * d.padded_len];
         __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t p = 0; p < len; p += 16) {
           const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
@@ -247,26 +254,26 @@ void decode_avx512(
       }
       // Pass 2: acc_g += softmax_gp * v_p, block by block.
       for (int64_t j = 0; j < num_blocks; ++j) {
-        const kv_t* base = block_row(j) + v_offset;
-        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2) + v_offset, block_size, slot_stride, row_bytes);
-        const int64_t block_len = std::min(block_size, len - j * block_size);
+        const kv_t* base = block_row(j) + d.v_offset;
+        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
+        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
         for (int64_t k = 0; k < block_len; ++k) {
-          const kv_t* v = base + k * slot_stride;
-          const int64_t p = j * block_size + k;
+          const kv_t* v = base + k * d.slot_stride;
+          const int64_t p = j * d.block_size + k;
           const float vs = row_scale(v, head_dim);
           __m512 vr[C];
           for (int c = 0; c < C; ++c) vr[c] = load16(v + 16 * c);
-          for (int64_t g = 0; g < group; ++g) {
-            const __m512 w = _mm512_set1_ps(scores[g * padded_len + p] * vs);
+          for (int64_t g = 0; g < d.group; ++g) {
+            const __m512 w = _mm512_set1_ps(scores[g * d.padded_len + p] * vs);
             for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_fmadd_ps(w, vr[c], acc[g * C + c]);
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < d.group; ++g) {
         alignas(64) float tmp[head_dim];
         const __m512 inv = _mm512_set1_ps(inv_sum[g]);
         for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g * C + c], inv));
-        q_t* dst = o_ptr + b * o_stride_s + (h * group + g) * o_stride_h;
+        q_t* dst = d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h;
         for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<q_t>(tmp[i]);
       }
     }
@@ -291,78 +298,58 @@ void decode_avx512_bf16(
   using bf16 = at::BFloat16;
   constexpr int64_t head_dim = 16 * C;
   constexpr int W = C / 2;  // 32-value vectors per row
-  const int64_t num_seqs = query.size(0);
-  const int64_t num_heads = query.size(1);
-  const int64_t block_size = kv_cache.size(2);
-  const int64_t num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t q_stride_s = query.stride(0), q_stride_h = query.stride(1);
-  const int64_t o_stride_s = out.stride(0), o_stride_h = out.stride(1);
-  const int64_t bt_stride = block_tables.stride(0);
-  const int64_t row = kv_cache.size(4);
-  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(bf16));
-  const int64_t slot_stride = num_kv_heads * row;
-  const int64_t block_stride = block_size * slot_stride;
-  const int64_t v_offset = kv_cache.stride(0);
-
-  const bf16* q_ptr = query.data_ptr<bf16>();
-  bf16* o_ptr = out.data_ptr<bf16>();
-  const bf16* kv_ptr = kv_cache.data_ptr<bf16>();
-  const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
-  const int32_t* len_ptr = seq_lens.data_ptr<int32_t>();
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max<int64_t>(max_len, len_ptr[b]);
-  const int64_t padded_len = (max_len + 15) / 16 * 16 + 16;
+  const DecodeView<bf16, bf16> view(out, query, kv_cache, block_tables, seq_lens);
   const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> q(group * W);
-    std::vector<__m512> acc(group * C);
-    std::vector<float> scores(group * padded_len);
-    std::vector<int32_t> weights(group * (padded_len / 2));  // bf16 weight pairs of tokens (2i, 2i + 1)
-    std::vector<float> inv_sum(group);
+  at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
+    std::vector<__m512i> q(d.group * W);
+    std::vector<__m512> acc(d.group * C);
+    std::vector<float> scores(d.group * d.padded_len);
+    std::vector<int32_t> weights(d.group * (d.padded_len / 2));  // bf16 weight pairs of tokens (2i, 2i + 1)
+    std::vector<float> inv_sum(d.group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = len_ptr[b];
-      const int32_t* table = bt_ptr + b * bt_stride;
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
-      auto block_row = [&](int64_t j) { return kv_ptr + table[j] * block_stride + h * row; };
-      for (int64_t g = 0; g < group; ++g) {
-        const bf16* src = q_ptr + b * q_stride_s + (h * group + g) * q_stride_h;
+      const int64_t b = task / d.num_kv_heads, h = task % d.num_kv_heads;
+      const int64_t len = d.len_ptr[b];
+      const int32_t* table = d.bt_ptr + b * d.bt_stride;
+      const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
+      auto block_row = [&](int64_t j) { return d.kv_ptr + table[j] * d.block_stride + h * d.row; };
+      for (int64_t g = 0; g < d.group; ++g) {
+        const bf16* src = d.q_ptr + b * d.q_stride_s + (h * d.group + g) * d.q_stride_h;
         for (int w = 0; w < W; ++w) q[g * W + w] = _mm512_loadu_si512(src + 32 * w);
         for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
       }
       // Pass 1: scores[g, p] = (q_g . k_p) * scale, up to 16 keys of a block at a time.
-      if (num_blocks > 1) prefetch_block(block_row(1), block_size, slot_stride, row_bytes);
+      if (num_blocks > 1) prefetch_block(block_row(1), d.block_size, d.slot_stride, d.row_bytes);
       for (int64_t j = 0; j < num_blocks; ++j) {
         const bf16* base = block_row(j);
-        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), block_size, slot_stride, row_bytes);
-        const int64_t block_len = std::min(block_size, len - j * block_size);
+        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), d.block_size, d.slot_stride, d.row_bytes);
+        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
         for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
           const int64_t n = std::min<int64_t>(16, block_len - k0);
-          const int64_t p0 = j * block_size + k0;
-          for (int64_t g = 0; g < group; ++g) {
+          const int64_t p0 = j * d.block_size + k0;
+          for (int64_t g = 0; g < d.group; ++g) {
             __m512 part[16];
             for (int k = 0; k < 16; ++k) {
               if (k >= n) {
                 part[reduce_slot(k)] = _mm512_setzero_ps();
                 continue;
               }
-              const bf16* key = base + (k0 + k) * slot_stride;
+              const bf16* key = base + (k0 + k) * d.slot_stride;
               __m512 s = _mm512_setzero_ps();
               for (int w = 0; w < W; ++w)
                 s = _mm512_dpbf16_ps(s, (__m512bh)q[g * W + w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
               part[reduce_slot(k)] = s;
             }
-            _mm512_storeu_ps(&scores[g * padded_len + p0], _mm512_mul_ps(reduce16(part), scale16));
+            _mm512_storeu_ps(&scores[g * d.padded_len + p0], _mm512_mul_ps(reduce16(part), scale16));
           }
         }
       }
-      prefetch_block(block_row(0) + v_offset, std::min(block_size, len), slot_stride, row_bytes);
-      if (num_blocks > 1) prefetch_block(block_row(1) + v_offset, block_size, slot_stride, row_bytes);
+      prefetch_block(block_row(0) + d.v_offset, std::min(d.block_size, len), d.slot_stride, d.row_bytes);
+      if (num_blocks > 1) prefetch_block(block_row(1) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
       // Softmax per query head in fp32; the weights rounded to bf16, padded with a zero weight to an even count.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = &scores[g * padded_len];
+      for (int64_t g = 0; g < d.group; ++g) {
+        float* s = &scores[g * d.padded_len];
         __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t p = 0; p < len; p += 16) {
           const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
@@ -370,7 +357,7 @@ void decode_avx512_bf16(
         }
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(m16));
         __m512 sum16 = _mm512_setzero_ps();
-        auto* wb = reinterpret_cast<__m256i*>(&weights[g * (padded_len / 2)]);
+        auto* wb = reinterpret_cast<__m256i*>(&weights[g * (d.padded_len / 2)]);
         for (int64_t p = 0; p < len; p += 16) {
           const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
           const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + p), m)));
@@ -383,17 +370,17 @@ void decode_avx512_bf16(
       // Pass 2: acc_g += w_g,p v_p + w_g,p+1 v_p+1 over token pairs, the next blocks prefetched as pass 1 does.
       int64_t j = 0, off = 0;  // token p sits at offset off of logical block j
       auto advance = [&] {
-        if (++off == block_size) {
+        if (++off == d.block_size) {
           off = 0;
           ++j;
-          if (j + 2 < num_blocks) prefetch_block(block_row(j + 2) + v_offset, block_size, slot_stride, row_bytes);
+          if (j + 2 < num_blocks) prefetch_block(block_row(j + 2) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
         }
       };
-      if (2 < num_blocks) prefetch_block(block_row(2) + v_offset, block_size, slot_stride, row_bytes);
+      if (2 < num_blocks) prefetch_block(block_row(2) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
       for (int64_t p = 0; p < len; p += 2) {
-        const bf16* v0 = block_row(j) + v_offset + off * slot_stride;
+        const bf16* v0 = block_row(j) + d.v_offset + off * d.slot_stride;
         advance();
-        const bf16* v1 = p + 1 < len ? block_row(j) + v_offset + off * slot_stride : nullptr;
+        const bf16* v1 = p + 1 < len ? block_row(j) + d.v_offset + off * d.slot_stride : nullptr;
         advance();
         __m512i vi[C];
         for (int w = 0; w < W; ++w) {
@@ -402,17 +389,17 @@ void decode_avx512_bf16(
           vi[2 * w] = _mm512_unpacklo_epi16(a, c);
           vi[2 * w + 1] = _mm512_unpackhi_epi16(a, c);
         }
-        for (int64_t g = 0; g < group; ++g) {
-          const __m512bh wp = (__m512bh)_mm512_set1_epi32(weights[g * (padded_len / 2) + p / 2]);
+        for (int64_t g = 0; g < d.group; ++g) {
+          const __m512bh wp = (__m512bh)_mm512_set1_epi32(weights[g * (d.padded_len / 2) + p / 2]);
           for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_dpbf16_ps(acc[g * C + c], wp, (__m512bh)vi[c]);
         }
       }
       // Lane 4L + i of vi[2w] holds head dim 32w + 8L + i, of vi[2w + 1] dim 32w + 8L + 4 + i (i < 4).
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < d.group; ++g) {
         alignas(64) float tmp[head_dim];
         const __m512 inv = _mm512_set1_ps(inv_sum[g]);
         for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g * C + c], inv));
-        bf16* dst = o_ptr + b * o_stride_s + (h * group + g) * o_stride_h;
+        bf16* dst = d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h;
         for (int w = 0; w < W; ++w)
           for (int half = 0; half < 2; ++half)
             for (int lane = 0; lane < 16; ++lane)
