@@ -193,7 +193,13 @@ def test_cpu_op_matches_the_torch_path_on_the_same_pool(name: str, step: tuple[l
         ref, ref_cache = run_step(name, TorchPagedAttention(), *step, head_dim=head_dim)
         out, cache = run_step(name, cpu_paged.CpuPagedAttention(), *step, head_dim=head_dim)
         assert not out.isnan().any()
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+        if name == "int8" and head_dim == 64:
+            # The VNNI kernel rounds the query and the softmax weights to int16 (tests/attention/test_cpu_paged.py
+            # bounds that against the int8 storage's own error); elsewhere the same fp32 arithmetic as torch.
+            torch.testing.assert_close(out, ref, atol=3e-4, rtol=0)
+        else:
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+        # the step's own K/V rows: the C++ write (int8: quantized in C++) gives torch's bytes
         assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 

@@ -33,7 +33,10 @@ loaded machine), so there is no case left for the torch path to win.
 
 The KV write of an unquantized cache is one C++ copy per token (``write_kv`` in
 the op set; the torch path's two ``index_copy_`` calls cost ~20 us a layer at a
-few tokens); quantized caches keep the torch write (``kv_layout.write_kv``). When the op cannot be built,
+few tokens); an int8 cache's rows are quantized in the same op, byte for byte as
+``kv_layout.quantize`` does (its ~10 torch ops per tensor and layer cost more
+than the attention saved at few tokens); fp8 caches keep the torch write
+(``kv_layout.write_kv``). When the op cannot be built,
 the engine never picks this backend (see :func:`cpu_ops_available`).
 """
 
@@ -50,6 +53,10 @@ _KERNEL_DTYPES = frozenset(
     {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)}
     | {(q, kv) for q in (torch.float32, torch.bfloat16) for kv in (torch.int8, torch.float8_e4m3fn)}
 )
+
+
+# K/V dtypes the op quantizes into an int8 cache itself.
+_INT8_WRITE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def cpu_ops_available() -> bool:
@@ -73,15 +80,19 @@ class CpuPagedAttention(TorchPagedAttention):
         self._ops = ops
 
     def write(self, kv_cache: torch.Tensor, meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor) -> None:
-        """See :meth:`TorchPagedAttention.write`; one C++ copy per token for an unquantized cache of K/V's dtype.
+        """See :meth:`TorchPagedAttention.write`; in C++ for an unquantized cache of K/V's dtype and for int8.
 
-        Quantized caches and other layouts take the torch path (``write_kv``).
+        An int8 cache gets the bytes ``kv_layout.quantize`` would write (the op
+        repeats its fp32 arithmetic); fp8 caches and other layouts take the
+        torch path (``write_kv``).
 
         Raises:
             RuntimeError: a slot outside the pool (the op checks every slot before it writes).
         """
+        same_dtype = kv_cache.dtype == key.dtype == value.dtype  # K/V are float: an unquantized cache
+        int8 = kv_cache.dtype == torch.int8 and key.dtype == value.dtype and key.dtype in _INT8_WRITE_DTYPES
         if (
-            kv_cache.dtype == key.dtype == value.dtype  # K/V are float: an equal dtype means an unquantized cache
+            (same_dtype or int8)
             and key.stride(1) == value.stride(1) == key.shape[2]
             and key.stride(2) == value.stride(2) == 1
         ):

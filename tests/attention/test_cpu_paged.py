@@ -11,13 +11,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from streamkv.attention.kv_layout import write_kv
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from streamkv.llm import LLM
 from streamkv.model.loader import LoadedModel
 from streamkv.sampling_params import SamplingParams
 from tests.attention.test_torch_paged import Case, cases, run_case
-from tests.test_kv_quant import run_step
+from tests.test_kv_quant import poisoned_cache, run_step
 
 cpu_paged = pytest.importorskip("streamkv.attention.cpu_paged")
 if not cpu_paged.cpu_ops_available():
@@ -117,6 +118,7 @@ PREFILL_DTYPES = [  # (KV cache dtype name, query dtype, tolerance against the t
     ("fp8_e4m3", torch.float32, 1e-5),
     ("int8", torch.bfloat16, 3e-2),
 ]
+INT8_DECODE_TOL = 3e-4  # fp32 queries on the VNNI int8 decode kernel (int16 query and weights), against torch
 
 
 def compare_step(
@@ -127,7 +129,13 @@ def compare_step(
     out, cache = run_step(name, cpu_paged.CpuPagedAttention(), query_lens, seq_lens, dtype=dtype, **shape)
     assert out.dtype == dtype and out.shape == ref.shape
     assert not out.isnan().any()
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=0)
+    # Decode rows on an int8 cache with a vectorised head dim take the VNNI kernel, which rounds the query and
+    # the softmax weights to int16 (bounded in test_int8_decode_error_is_a_small_part_of_the_int8_storage_error).
+    vnni = name == "int8" and out.shape[-1] in (64, 128)
+    row_tol = torch.tensor(
+        [max(tol, INT8_DECODE_TOL) if vnni and n == 1 else tol for n in query_lens for _ in range(n)]
+    )
+    assert ((out.float() - ref.float()).abs().amax((1, 2)) <= row_tol).all()
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 
@@ -234,6 +242,50 @@ def test_bf16_decode_error_no_worse_than_the_torch_bf16_path(head_dim: int, bloc
     our_err = (ours.float() - ref).abs()
     assert float(our_err.mean()) <= 1.2 * float(torch_err.mean())
     assert float(our_err.max()) <= 1.5 * float(torch_err.max())
+
+
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 5), (128, 5), (64, 1)])
+def test_int8_decode_error_is_a_small_part_of_the_int8_storage_error(head_dim: int, block_size: int) -> None:
+    # The decode op's int8 variant (VNNI: the query and each softmax weight times its V scale rounded to int16,
+    # exact int32 sums, flushed to fp32 every 256 token pairs): odd and even lengths, contexts past one and two
+    # flushes, block sizes that split token pairs. Its distance from the torch path on the same int8 pool must be
+    # a small part of the distance int8 storage itself puts between that path and fp32 KV.
+    seq_lens = [1, 2, 17, 333, 700, 1100, 64, 31]
+    step = ([1] * len(seq_lens), seq_lens, 9, 3, head_dim, block_size)
+    fp32_kv, _ = run_step("float32", TorchPagedAttention(), *step, seed=7)
+    same_pool, _ = run_step("int8", TorchPagedAttention(), *step, seed=7)
+    ours, _ = run_step("int8", cpu_paged.CpuPagedAttention(), *step, seed=7)
+    assert not ours.isnan().any()
+    storage_err = float((same_pool - fp32_kv).abs().max())
+    kernel_err = float((ours - same_pool).abs().max())
+    assert 0 < kernel_err <= 0.02 * storage_err, (kernel_err, storage_err)
+    # bf16 queries: no worse against fp32 KV than the torch path's bf16 attention over the same int8 pool
+    torch_bf16 = run_step("int8", TorchPagedAttention(), *step, dtype=torch.bfloat16, seed=7)[0].float()
+    ours_bf16 = run_step("int8", cpu_paged.CpuPagedAttention(), *step, dtype=torch.bfloat16, seed=7)[0].float()
+    assert not ours_bf16.isnan().any()
+    torch_err, our_err = (torch_bf16 - fp32_kv).abs(), (ours_bf16 - fp32_kv).abs()
+    assert float(our_err.mean()) <= 1.05 * float(torch_err.mean())
+    assert float(our_err.max()) <= 1.2 * float(torch_err.max())
+
+
+def test_int8_write_kv_gives_the_torch_quantizers_bytes() -> None:
+    ops = cpu_paged.load_cpu_ops()
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for head_dim in (64, 20):  # the AVX-512 loop, and its scalar tail
+            key = torch.randn(7, 3, head_dim, generator=gen) * torch.logspace(-4, 3, 7)[:, None, None]
+            value = torch.randn(7, 3, head_dim, generator=gen)
+            key[2, 1] = 0.0  # an all-zero row: scale 0, codes 0
+            value[4, 0, :3] = torch.tensor([0.5, -0.5, 1.5]) * value[4, 0].abs().max() / 63.5  # ties at x / scale
+            key, value = key.to(dtype), value.to(dtype)
+            slots = torch.tensor([9, 0, 3, 14, 5, 8, 1])
+            want = poisoned_cache("int8", 4, 4, 3, head_dim)
+            write_kv(want, slots, key, value)
+            got = poisoned_cache("int8", 4, 4, 3, head_dim)
+            ops.write_kv(got, key, value, slots)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (dtype, head_dim)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.write_kv(poisoned_cache("int8", 4, 4, 3, 64), key.half(), value.half(), slots)
 
 
 def test_write_kv_refuses_a_slot_outside_the_pool_before_writing_any() -> None:

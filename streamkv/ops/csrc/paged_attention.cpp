@@ -19,6 +19,7 @@
 #include "kv_row.h"
 #include "simd_math.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -121,18 +122,30 @@ void decode_generic(
 // Four rounds of shuffles and adds (15 adds) instead of 16 separate horizontal reductions.
 constexpr int reduce_slot(int k) { return 4 * (k % 4) + k / 4; }
 
-inline __m512 reduce16(__m512 v[16]) {
+// Add is _mm512_add_ps for float partials, or an int32 add on the same bits (reduce16i).
+template <typename Add>
+inline __m512 reduce16_with(__m512 v[16], Add add) {
   __m512 r[8], s[4], t[2];
   for (int i = 0; i < 8; ++i)  // 128-bit lanes 0-1 keep v[2i]'s partials, lanes 2-3 v[2i+1]'s
-    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    r[i] = add(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
   for (int i = 0; i < 4; ++i)  // lane k holds 4 partials of v[4i + k]
-    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xdd));
-  for (int i = 0; i < 2; ++i)
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+    s[i] = add(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88), _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xdd));
+  for (int i = 0; i < 2; ++i) t[i] = add(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
   const __m512d a = _mm512_castps_pd(t[0]), b = _mm512_castps_pd(t[1]);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  return add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+inline __m512 reduce16(__m512 v[16]) {
+  return reduce16_with(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+
+// reduce16 of int32 partials (exact): lane k of the result is the sum of v[reduce_slot(k)]'s lanes.
+inline __m512i reduce16i(__m512i v[16]) {
+  __m512 f[16];
+  for (int i = 0; i < 16; ++i) f[i] = _mm512_castsi512_ps(v[i]);
+  return _mm512_castps_si512(reduce16_with(f, [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }));
 }
 
 // Asks for the rows of one KV head in one block (its K or V half) ahead of their use, into L2: a block's rows
@@ -409,6 +422,174 @@ void decode_avx512_bf16(
   });
 }
 #endif
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// fp32 or bf16 query on an int8 cache (AVX-512 VNNI): the contract of decode_avx512, both products summed exactly
+// in int32 by vpdpwssd (int16 pairs), the scales applied in fp32 afterwards.
+// - Pass 1: each query head (times the softmax scale) is quantized to int16 with its own scale
+//   (max |q| / 32767, so an element is off by at most 1 / 65534 of the largest: far below the key's own int8
+//   step), and a key row's codes are widened to int16 as they lie: q . k is C / 2 instructions. The score is
+//   that integer times the query's and the key row's scales.
+// - Pass 2: the softmax weight of token p times its V row's scale, u_p, is quantized to int16 against the
+//   largest u of the head (max u / 32767); V rows p and p + 1 are widened and interleaved 16 bits at a time, as
+//   decode_avx512_bf16 pairs them, and the int32 sums go to fp32 every 256 pairs (before 2 * 32767 * 128 * 256
+//   could overflow). The sum of the softmax is taken of the unquantized fp32 weights.
+// Measured against decode_avx512's int8 instance: docs/benchmarks.md, "int8 KV decode on VNNI".
+template <int C, typename q_t>
+void decode_avx512_int8(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  constexpr int64_t head_dim = 16 * C;
+  constexpr int W = C / 2;             // 32-code int16 vectors per row
+  constexpr int64_t FLUSH_PAIRS = 256;  // token pairs per int32 partial sum of pass 2
+  const DecodeView<q_t, int8_t> view(out, query, kv_cache, block_tables, seq_lens);
+
+  at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
+    std::vector<__m512i> q(d.group * W), acc(d.group * C);
+    std::vector<__m512> acc_f(d.group * C);
+    std::vector<float> q_scale(d.group), out_scale(d.group);
+    std::vector<float> scores(d.group * d.padded_len), v_scale(d.padded_len);
+    std::vector<int16_t> weights(d.group * d.padded_len);  // int16 u_p; pairs (2i, 2i + 1) read as one int32
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / d.num_kv_heads, h = task % d.num_kv_heads;
+      const int64_t len = d.len_ptr[b];
+      const int32_t* table = d.bt_ptr + b * d.bt_stride;
+      const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
+      auto block_row = [&](int64_t j) { return d.kv_ptr + table[j] * d.block_stride + h * d.row; };
+      for (int64_t g = 0; g < d.group; ++g) {
+        const q_t* src = d.q_ptr + b * d.q_stride_s + (h * d.group + g) * d.q_stride_h;
+        alignas(64) float tmp[head_dim];
+        float absmax = 0.f;
+        for (int64_t i = 0; i < head_dim; ++i) {
+          tmp[i] = static_cast<float>(src[i]) * static_cast<float>(scale);
+          absmax = std::max(absmax, std::fabs(tmp[i]));
+        }
+        q_scale[g] = absmax / 32767.f;
+        const __m512 div = _mm512_set1_ps(q_scale[g] > 0.f ? q_scale[g] : 1.f);
+        for (int w = 0; w < W; ++w) {
+          const __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_load_ps(tmp + 32 * w), div)));
+          const __m256i hi =
+              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_load_ps(tmp + 32 * w + 16), div)));
+          q[g * W + w] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        }
+        for (int c = 0; c < C; ++c) {
+          acc[g * C + c] = _mm512_setzero_si512();
+          acc_f[g * C + c] = _mm512_setzero_ps();
+        }
+      }
+      // Pass 1: scores[g, p] = (q_g . k_p) * q_scale_g * k_scale_p, up to 16 keys of a block at a time.
+      if (num_blocks > 1) prefetch_block(block_row(1), d.block_size, d.slot_stride, d.row_bytes);
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const int8_t* base = block_row(j);
+        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), d.block_size, d.slot_stride, d.row_bytes);
+        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
+        for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
+          const int64_t n = std::min<int64_t>(16, block_len - k0);
+          const int64_t p0 = j * d.block_size + k0;  // scores past p0 + n are scratch, overwritten or unread
+          alignas(64) float ks[16];
+          for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * d.slot_stride, head_dim) : 0.f;
+          for (int64_t g = 0; g < d.group; ++g) {
+            __m512i part[16];
+            for (int k = 0; k < 16; ++k) {
+              __m512i s = _mm512_setzero_si512();
+              if (k < n) {
+                const int8_t* key = base + (k0 + k) * d.slot_stride;
+                for (int w = 0; w < W; ++w)
+                  s = _mm512_dpwssd_epi32(
+                      s, q[g * W + w],
+                      _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + 32 * w))));
+              }
+              part[reduce_slot(k)] = s;
+            }
+            const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16i(part)), _mm512_load_ps(ks));
+            _mm512_storeu_ps(&scores[g * d.padded_len + p0], _mm512_mul_ps(sc, _mm512_set1_ps(q_scale[g])));
+          }
+        }
+      }
+      // The V rows' scales (this walk also brings the rows of the first blocks in for pass 2).
+      for (int64_t j = 0, p = 0; j < num_blocks; ++j) {
+        const int8_t* base = block_row(j) + d.v_offset;
+        for (int64_t k = 0; k < d.block_size && p < len; ++k, ++p) v_scale[p] = row_scale(base + k * d.slot_stride, head_dim);
+      }
+      // Softmax per query head in fp32; u_p = weight * V scale, quantized to int16 against the head's largest u.
+      for (int64_t g = 0; g < d.group; ++g) {
+        float* s = &scores[g * d.padded_len];
+        __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t p = 0; p < len; p += 16) {
+          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
+          m16 = _mm512_mask_max_ps(m16, live, m16, _mm512_maskz_loadu_ps(live, s + p));
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(m16));
+        __m512 sum16 = _mm512_setzero_ps(), umax16 = _mm512_setzero_ps();
+        for (int64_t p = 0; p < len; p += 16) {
+          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
+          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + p), m)));
+          sum16 = _mm512_add_ps(sum16, e);
+          const __m512 u = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(live, &v_scale[p]));
+          _mm512_storeu_ps(s + p, u);  // lanes past len are 0
+          umax16 = _mm512_max_ps(umax16, u);
+        }
+        const float u_scale = _mm512_reduce_max_ps(umax16) / 32767.f;
+        const __m512 inv = _mm512_set1_ps(u_scale > 0.f ? 1.f / u_scale : 0.f);
+        for (int64_t p = 0; p < len; p += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(&weights[g * d.padded_len + p]),
+                              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(s + p), inv))));
+        out_scale[g] = u_scale / _mm512_reduce_add_ps(sum16);
+      }
+      // Pass 2: acc_g += u_g,p v_p + u_g,p+1 v_p+1 over token pairs, the next blocks prefetched as pass 1 does.
+      int64_t j = 0, off = 0;  // token p sits at offset off of logical block j
+      auto advance = [&] {
+        if (++off == d.block_size) {
+          off = 0;
+          ++j;
+          if (j + 2 < num_blocks) prefetch_block(block_row(j + 2) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
+        }
+      };
+      if (2 < num_blocks) prefetch_block(block_row(2) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
+      for (int64_t p = 0; p < len; p += 2) {
+        const int8_t* v0 = block_row(j) + d.v_offset + off * d.slot_stride;
+        advance();
+        const int8_t* v1 = p + 1 < len ? block_row(j) + d.v_offset + off * d.slot_stride : nullptr;
+        advance();
+        __m512i vi[C];
+        for (int w = 0; w < W; ++w) {
+          const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 32 * w)));
+          const __m512i c = v1 != nullptr
+                                ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 32 * w)))
+                                : _mm512_setzero_si512();
+          vi[2 * w] = _mm512_unpacklo_epi16(a, c);
+          vi[2 * w + 1] = _mm512_unpackhi_epi16(a, c);
+        }
+        for (int64_t g = 0; g < d.group; ++g) {
+          int32_t pair;
+          std::memcpy(&pair, &weights[g * d.padded_len + p], sizeof(pair));
+          const __m512i wp = _mm512_set1_epi32(pair);
+          for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_dpwssd_epi32(acc[g * C + c], wp, vi[c]);
+        }
+        if ((p / 2 + 1) % FLUSH_PAIRS == 0)
+          for (int64_t i = 0; i < d.group * C; ++i) {
+            acc_f[i] = _mm512_add_ps(acc_f[i], _mm512_cvtepi32_ps(acc[i]));
+            acc[i] = _mm512_setzero_si512();
+          }
+      }
+      // Lane 4L + i of vi[2w] holds head dim 32w + 8L + i, of vi[2w + 1] dim 32w + 8L + 4 + i (i < 4).
+      for (int64_t g = 0; g < d.group; ++g) {
+        alignas(64) float tmp[head_dim];
+        const __m512 sc = _mm512_set1_ps(out_scale[g]);
+        for (int c = 0; c < C; ++c)
+          _mm512_store_ps(tmp + 16 * c,
+                          _mm512_mul_ps(_mm512_add_ps(acc_f[g * C + c], _mm512_cvtepi32_ps(acc[g * C + c])), sc));
+        q_t* dst = d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h;
+        for (int w = 0; w < W; ++w)
+          for (int half = 0; half < 2; ++half)
+            for (int lane = 0; lane < 16; ++lane)
+              dst[32 * w + 8 * (lane / 4) + 4 * half + lane % 4] = static_cast<q_t>(tmp[16 * (2 * w + half) + lane]);
+      }
+    }
+  });
+}
+#endif
 #endif
 
 // Picks the vectorised kernel for the common head dims, the portable one otherwise.
@@ -421,6 +602,15 @@ void decode_kernel(
     switch (query.size(2)) {
       case 64: return decode_avx512_bf16<4>(out, query, kv_cache, block_tables, seq_lens, scale);
       case 128: return decode_avx512_bf16<8>(out, query, kv_cache, block_tables, seq_lens, scale);
+      default: break;
+    }
+  }
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if constexpr (std::is_same_v<kv_t, int8_t>) {
+    switch (query.size(2)) {
+      case 64: return decode_avx512_int8<4, q_t>(out, query, kv_cache, block_tables, seq_lens, scale);
+      case 128: return decode_avx512_int8<8, q_t>(out, query, kv_cache, block_tables, seq_lens, scale);
       default: break;
     }
   }
@@ -454,20 +644,57 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
   });
 }
 
-// kv_cache[0 / 1].view(-1, Hkv, D)[slot_mapping[t]] = key / value[t]: a step's K and V rows written into their
-// slots, one copy of each token's Hkv * D contiguous values (the torch path: two index_copy_ calls, ~10 us each
-// per layer at a few tokens). Same dtype as the cache, unquantized; rows of one token contiguous.
+namespace {
+
+// One row of D values as int8 codes and their float32 scale, the bytes kv_layout.quantize writes:
+// scale = max |x| / 127, code = round-half-even(x / scale) clamped to +-127 (an all-zero row: scale 0, codes 0).
+// The same fp32 operations in the same order (a true division, not a reciprocal), so the bytes are equal.
+template <typename x_t>
+void quantize_row_int8(const x_t* x, int64_t d, char* dst) {
+  float absmax = 0.f;
+  for (int64_t i = 0; i < d; ++i) absmax = std::max(absmax, std::fabs(to_float(x[i])));
+  const float scale = absmax / 127.f;
+  const float div = scale > 0.f ? scale : 1.f;
+  auto* codes = reinterpret_cast<int8_t*>(dst);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 inv = _mm512_set1_ps(div), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+  for (; i + 16 <= d; i += 16) {
+    __m512 c = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm512_min_ps(_mm512_max_ps(c, lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
+  }
+#endif
+  for (; i < d; ++i) codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(to_float(x[i]) / div), -127.f, 127.f));
+  std::memcpy(dst + d, &scale, sizeof(scale));
+}
+
+}  // namespace
+
+// kv_cache[0 / 1].view(-1, Hkv, R)[slot_mapping[t]] = key / value[t]: a step's K and V rows written into their
+// slots (the torch path: two index_copy_ calls, ~10 us each per layer at a few tokens; for int8 also the ~10 ops
+// of kv_layout.quantize per tensor).
+// - Unquantized cache: key / value in the cache's dtype, one copy of each token's Hkv * D contiguous values.
+// - int8 cache (R = D + 4): fp32 or bf16 key / value, each (token, head) row quantized as kv_layout.quantize does.
+// Rows of one token contiguous.
 void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D]");
+              "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, R]");
   TORCH_CHECK(!kv_cache.is_cuda() && !key.is_cuda() && !value.is_cuda(), "CPU tensors only");
-  const int64_t hkv = kv_cache.size(3), d = kv_cache.size(4);
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  const int64_t hkv = kv_cache.size(3), row = kv_cache.size(4), d = int8 ? row - 4 : row;
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   const int64_t tokens = slot_mapping.size(0);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous(),
               "slot_mapping must be a contiguous int64 [T]");
   for (const at::Tensor* x : {&key, &value}) {
-    TORCH_CHECK(x->scalar_type() == kv_cache.scalar_type(), "key / value dtype differs from the cache's");
+    if (int8) {
+      TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16,
+                  "an int8 cache takes float32 or bfloat16 key / value");
+    } else {
+      TORCH_CHECK(x->scalar_type() == kv_cache.scalar_type(), "key / value dtype differs from the cache's");
+    }
+    TORCH_CHECK(x->scalar_type() == key.scalar_type(), "key and value dtypes differ");
     TORCH_CHECK(x->dim() == 3 && x->size(0) == tokens && x->size(1) == hkv && x->size(2) == d,
                 "key / value must be [T, Hkv, D] like the cache");
     TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == d, "each token's key / value heads must be contiguous");
@@ -475,15 +702,30 @@ void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor 
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the pool of ", num_slots);
-  const int64_t elem = kv_cache.element_size(), row_bytes = hkv * d * elem;
   char* base = static_cast<char*>(kv_cache.data_ptr());
-  const int64_t half = kv_cache.stride(0) * elem;
+  const int64_t half = kv_cache.stride(0);  // bytes: int8 elements, or scaled below
+  if (int8) {
+    auto quantize_rows = [&]<typename x_t>() {
+      const x_t* src[2] = {key.data_ptr<x_t>(), value.data_ptr<x_t>()};
+      const int64_t stride[2] = {key.stride(0), value.stride(0)};
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int kv = 0; kv < 2; ++kv)
+          for (int64_t h = 0; h < hkv; ++h)
+            quantize_row_int8(src[kv] + t * stride[kv] + h * d, d, base + kv * half + (slots[t] * hkv + h) * row);
+    };
+    if (key.scalar_type() == at::kFloat)
+      quantize_rows.template operator()<float>();
+    else
+      quantize_rows.template operator()<at::BFloat16>();
+    return;
+  }
+  const int64_t elem = kv_cache.element_size(), row_bytes = hkv * d * elem;
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());
   const int64_t ks = key.stride(0) * elem, vs = value.stride(0) * elem;
   for (int64_t t = 0; t < tokens; ++t) {
     std::memcpy(base + slots[t] * row_bytes, k + t * ks, row_bytes);
-    std::memcpy(base + half + slots[t] * row_bytes, v + t * vs, row_bytes);
+    std::memcpy(base + half * elem + slots[t] * row_bytes, v + t * vs, row_bytes);
   }
 }
 
@@ -493,6 +735,6 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention reading K/V in place (CPU)");
-  m.def("write_kv", &write_kv, "write a step's K / V rows into their slots (CPU, unquantized cache)");
+  m.def("write_kv", &write_kv, "write a step's K / V rows into their slots (CPU; unquantized or int8 cache)");
   m.def("paged_prefill", &paged_prefill, "paged causal attention of prefill / chunk rows, K/V read in place (CPU)");
 }
