@@ -75,9 +75,10 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, inter: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_matches_torch_on_a_strided_view(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("d", [16, 64, 128])  # the scalar loop, and the 16-lane halves
+def test_rope_matches_torch_on_a_strided_view(dtype: torch.dtype, d: int) -> None:
     g = torch.Generator().manual_seed(1)
-    tokens, hq, hkv, d = 23, 6, 2, 16
+    tokens, hq, hkv = 23, 6, 2
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(dtype)
     x = qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d)  # q and k heads, rows strided past v
     cos = torch.randn(tokens, 1, d, generator=g).to(dtype)

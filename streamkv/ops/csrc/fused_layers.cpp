@@ -187,6 +187,17 @@ void rope_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, cons
       for (int64_t h = 0; h < heads; ++h) {
         const T* xr = src + t * sxt + h * sxh;
         T* dst = o + t * sot + h * soh;
+#if defined(__AVX512F__)
+        if (half % 16 == 0) {  // both halves in 16-lane chunks: the same fp32 arithmetic as the loop below
+          for (int64_t i = 0; i < half; i += 16) {
+            const __m512 lo = load16(xr + i), hi = load16(xr + half + i);
+            store16(dst + i, _mm512_fmadd_ps(hi, load16(st + i), round16(_mm512_mul_ps(lo, load16(ct + i)), dst)));
+            store16(dst + half + i,
+                    _mm512_fmadd_ps(lo, load16(st + half + i), round16(_mm512_mul_ps(hi, load16(ct + half + i)), dst)));
+          }
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < d; ++i) {
           const float swapped = to_f(xr[i < half ? i + half : i - half]);
           dst[i] = from_f<T>(round_to<T>(to_f(xr[i]) * to_f(ct[i])) + swapped * to_f(st[i]));
