@@ -36,6 +36,7 @@ from torch import nn
 
 from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
+from streamkv.model.decode_layers import DecodeLayers
 from streamkv.model.linear import (
     Linear,
     SmallMatmul,
@@ -211,15 +212,18 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, weight)
         return logits.float()
 
-    def use_fused_ops(self, ops: ModuleType | None) -> bool:
+    def use_fused_ops(self, ops: ModuleType | None, decode_ops: ModuleType | None = None) -> bool:
         """Run RMSNorm (with its residual add), SiLU-and-mul and RoPE on ``ops`` (the fused C++ extension).
 
         ``ops`` is kept as :attr:`fused_ops` (the engine's greedy argmax uses
         it too). ``None`` restores the torch ops. Only a CPU model in float32 or
-        bfloat16 takes them.
+        bfloat16 takes them. With ``decode_ops`` too, and every projection on
+        the small-batch kernel (:meth:`prepack_cpu_weights` first), pure-decode
+        steps run each layer in one C++ call (:class:`DecodeLayers`).
 
         Args:
             ops: :func:`streamkv.ops.cpu_ops.load_fused_ops`'s module, or ``None``.
+            decode_ops: :func:`streamkv.ops.cpu_ops.load_decode_ops`'s module, or ``None``.
 
         Returns:
             True when the fused ops are now in use.
@@ -231,6 +235,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.fused = ops
         self.fused_ops = ops
+        self.model.decode_layers = DecodeLayers.build(list(self.model.layers), decode_ops if ops is not None else None)
         return ops is not None
 
     @torch.no_grad()
@@ -293,6 +298,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Set by LlamaForCausalLM.use_fused_ops when the decode-layer op can run this model's decode steps.
+        self.decode_layers: DecodeLayers | None = None
 
     def forward(
         self,
@@ -306,8 +313,12 @@ class LlamaModel(nn.Module):
         """``input_ids [T]``, ``cos/sin [T, 1, D]`` -> normed hidden ``[T, H]``."""
         h = F.embedding(input_ids, self.embed_tokens.weight)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer.forward(h, residual, cos, sin, kv_cache, meta, backend)
+        fast = self.decode_layers
+        if fast is not None and fast.takes(h.shape[0], meta, backend, kv_caches[0]):
+            h, residual = fast.forward(h, cos, sin, kv_caches, meta)  # the same ops, one C++ call a layer
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                h, residual = layer.forward(h, residual, cos, sin, kv_cache, meta, backend)
         return self.norm.add_forward(h, residual)[0]
 
 

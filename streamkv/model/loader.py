@@ -228,9 +228,11 @@ def from_hf(
     elif int8:
         logger.warning("no small-batch int8 kernel on this CPU: the int8 weights run dequantized on oneDNN")
     if fused and device.type == "cpu" and dtype in FUSED_DTYPES:
-        from streamkv.ops.cpu_ops import load_fused_ops  # builds on first use; None (logged) when it cannot
+        from streamkv.ops.cpu_ops import load_decode_ops, load_fused_ops  # build on first use; None when they cannot
 
-        model.use_fused_ops(load_fused_ops())
+        model.use_fused_ops(load_fused_ops(), load_decode_ops() if small_ops is not None else None)
+        if model.model.decode_layers is not None:
+            logger.info("decode steps of up to %d rows run one C++ call per layer", model.model.decode_layers.max_rows)
     return LoadedModel(
         model=model,
         tokenizer=checkpoint.tokenizer,

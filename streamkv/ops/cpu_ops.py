@@ -1,11 +1,13 @@
 """Build and load the C++ CPU ops in ``csrc/``: paged decode and prefill attention, fused layer ops, small-batch linear.
 
-Three extensions, built and loaded independently so one that fails to build
+Four extensions, built and loaded independently so one that fails to build
 costs only its own fast path: ``streamkv_cpu_ops`` (``paged_attention.cpp`` and ``paged_prefill.cpp``,
 :func:`load_cpu_ops`), ``streamkv_fused_ops`` (``fused_layers.cpp``:
-residual add + RMSNorm, SiLU-and-mul, RoPE; :func:`load_fused_ops`) and
+residual add + RMSNorm, SiLU-and-mul, RoPE; :func:`load_fused_ops`),
 ``streamkv_linear_ops`` (``small_linear.cpp``: the matmuls of decode steps;
-:func:`load_linear_ops`).
+:func:`load_linear_ops`) and ``streamkv_decode_ops`` (``decode_layer.cpp``
+with the other sources compiled in: a decode step's layer in one call;
+:func:`load_decode_ops`).
 
 The extension is JIT-compiled by :func:`torch.utils.cpp_extension.load` with
 ``-O3 -march=native -fopenmp`` into a per-user cache folder
@@ -46,6 +48,8 @@ FUSED_EXTENSION_NAME = "streamkv_fused_ops"
 FUSED_SOURCES = (_CSRC / "fused_layers.cpp",)
 LINEAR_EXTENSION_NAME = "streamkv_linear_ops"
 LINEAR_SOURCES = (_CSRC / "small_linear.cpp",)
+DECODE_EXTENSION_NAME = "streamkv_decode_ops"
+DECODE_SOURCES = (_CSRC / "decode_layer.cpp", *SOURCES, *FUSED_SOURCES, *LINEAR_SOURCES)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
@@ -91,6 +95,23 @@ def load_linear_ops() -> ModuleType | None:
     return module
 
 
+@functools.cache
+def load_decode_ops() -> ModuleType | None:
+    """``decode_layer``: a pure-decode step's decoder layer in one call; ``None`` when unbuildable or unsupported.
+
+    Built from ``decode_layer.cpp`` and the sources of the three op sets
+    (their Python modules left out), so it needs what the small-batch
+    linear needs (AVX-512 with AVX512-BF16). Cached for the process like
+    :func:`load_cpu_ops`.
+    """
+    if load_linear_ops() is None:
+        return None
+    folder = build_directory() / f"decode-{_source_digest(DECODE_SOURCES + HEADERS)}"
+    return _build(
+        DECODE_EXTENSION_NAME, DECODE_SOURCES, folder, "one call per op in each layer", ("-DSTREAMKV_NO_PYBIND",)
+    )
+
+
 def _source_digest(paths: tuple[Path, ...]) -> str:
     """12 hex digits of the sources' contents: checkouts with different sources build side by side.
 
@@ -102,7 +123,9 @@ def _source_digest(paths: tuple[Path, ...]) -> str:
     return digest.hexdigest()[:12]
 
 
-def _build(name: str, sources: tuple[Path, ...], folder: Path, fallback: str) -> ModuleType | None:
+def _build(
+    name: str, sources: tuple[Path, ...], folder: Path, fallback: str, defines: tuple[str, ...] = ()
+) -> ModuleType | None:
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
@@ -111,7 +134,7 @@ def _build(name: str, sources: tuple[Path, ...], folder: Path, fallback: str) ->
         module = cpp_extension.load(
             name=name,
             sources=[str(s) for s in sources],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=[*CFLAGS, *defines],
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             verbose=False,
@@ -133,6 +156,9 @@ def main() -> int:
     linear = load_linear_ops() is not None
     state = "built" if linear else "NOT used (oneDNN runs every matmul)"
     print(f"streamkv small-batch linear: {state}", file=sys.stderr)
+    decode = load_decode_ops() is not None
+    state = "built" if decode else "NOT used (each layer's ops are called one by one)"
+    print(f"streamkv decode layer op: {state}", file=sys.stderr)
     return 0
 
 

@@ -328,6 +328,7 @@ void argmax_rows(at::Tensor out, const at::Tensor& logits) {
   });
 }
 
+#ifndef STREAMKV_NO_PYBIND  // left out of streamkv_decode_ops (decode_layer.cpp), which calls the ops directly
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (CPU, fp32/bf16)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual (CPU, fp32/bf16)");
@@ -335,3 +336,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "rotary embedding, half-split layout (CPU, fp32/bf16)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, -1) of float32 rows (CPU)");
 }
+#endif

@@ -733,8 +733,10 @@ void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor 
 void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_tables,
                    at::Tensor seq_lens, at::Tensor query_start_loc, double scale);
 
+#ifndef STREAMKV_NO_PYBIND  // left out of streamkv_decode_ops (decode_layer.cpp), which calls the ops directly
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention reading K/V in place (CPU)");
   m.def("write_kv", &write_kv, "write a step's K / V rows into their slots (CPU; unquantized or int8 cache)");
   m.def("paged_prefill", &paged_prefill, "paged causal attention of prefill / chunk rows, K/V read in place (CPU)");
 }
+#endif

@@ -385,6 +385,7 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
 #endif
 }
 
+#ifndef STREAMKV_NO_PYBIND  // left out of streamkv_decode_ops (decode_layer.cpp), which calls the ops directly
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_supported", &small_linear_supported, "whether this build has the AVX-512 BF16 kernels");
   m.def("pack_small_linear", &pack_small_linear, "pack a [N, K] weight for small_linear");
@@ -396,3 +397,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = (x @ q^T) * scale (+ bias) for few rows, q packed int8 (CPU, fp32/bf16 x)", py::arg("out"),
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias") = py::none());
 }
+#endif

@@ -1,0 +1,113 @@
+"""The decode-layer op (one C++ call per decoder layer in pure-decode steps) against the layer-by-layer path.
+
+The op runs the same kernels in the same order, so greedy tokens and their
+logprobs must be equal to the bit, over many decode steps, whatever the
+weights (fp32, bf16, int8), the KV cache (the model's dtype, int8) or the
+head dim (the tiny model's 16 takes the portable attention kernel, SmolLM2's
+64 the vectorised ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from streamkv.config import ModelConfig
+from streamkv.llm import LLM
+from streamkv.model.decode_layers import DecodeLayers
+from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf, load_model
+from streamkv.sampling_params import SamplingParams
+
+PROMPTS = [[(7 * i + j) % 900 + 10 for j in range(n)] for i, n in enumerate((5, 40, 17))]
+
+
+@pytest.fixture
+def fast_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Rows of every step that ran on the op."""
+    calls: list[int] = []
+    original = DecodeLayers.forward
+
+    def counted(self: DecodeLayers, h: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(h.shape[0])
+        return original(self, h, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeLayers, "forward", counted)
+    yield calls
+
+
+def generate(
+    loaded: LoadedModel, *, fast: bool, kv_cache_dtype: str = "auto"
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of PROMPTS and the logits of every step, with the op in use or not."""
+    model = loaded.model
+    saved = model.model.decode_layers
+    assert saved is not None, "the decode-layer op is not in use for this model"
+    logits: list[torch.Tensor] = []
+    compute_logits = model.compute_logits
+
+    def recorded(hidden: torch.Tensor) -> torch.Tensor:
+        out = compute_logits(hidden)
+        logits.append(out.clone())
+        return out
+
+    model.compute_logits = recorded  # type: ignore[method-assign]
+    if not fast:
+        model.model.decode_layers = None
+    try:
+        llm = LLM(
+            loaded=loaded, device="cpu", num_blocks=64, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False
+        )
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        llm.core.check_invariants()
+    finally:
+        model.model.decode_layers = saved
+        del model.compute_logits
+    return [o.outputs[0].token_ids for o in outs], logits
+
+
+def check_same(loaded: LoadedModel, fast_calls: list[int], kv_cache_dtype: str = "auto") -> None:
+    slow_tokens, slow_logits = generate(loaded, fast=False, kv_cache_dtype=kv_cache_dtype)
+    assert not fast_calls
+    fast_tokens, fast_logits = generate(loaded, fast=True, kv_cache_dtype=kv_cache_dtype)
+    assert fast_tokens == slow_tokens and all(len(t) == 12 for t in fast_tokens)
+    assert len(fast_logits) == len(slow_logits)
+    assert all(torch.equal(a, b) for a, b in zip(fast_logits, slow_logits, strict=True))
+    assert len(fast_calls) >= 10 and set(fast_calls) <= {1, 2, 3}  # decode steps took the op, prefill did not
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_tiny_llama_decodes_the_same_on_the_op(tiny: LoadedModel, fast_calls: list[int], kv_cache_dtype: str) -> None:
+    check_same(tiny, fast_calls, kv_cache_dtype)
+
+
+def test_tiny_qwen2_with_qkv_bias_in_bf16(tiny_model_dirs: dict[str, str], fast_calls: list[int]) -> None:
+    loaded = load_model(
+        ModelConfig(model=tiny_model_dirs["qwen2"], dtype="bfloat16", device="cpu"), torch.device("cpu")
+    )
+    check_same(loaded, fast_calls)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_smollm2_fp32_decodes_the_same_on_the_op(
+    smollm2: LoadedModel, fast_calls: list[int], kv_cache_dtype: str
+) -> None:
+    check_same(smollm2, fast_calls, kv_cache_dtype)
+
+
+def test_smollm2_bf16_with_int8_weights(smollm2_checkpoint: HFCheckpoint, fast_calls: list[int]) -> None:
+    loaded = from_hf(smollm2_checkpoint, torch.bfloat16, torch.device("cpu"), quantization="int8")
+    check_same(loaded, fast_calls)
+
+
+def test_steps_the_op_cannot_run_keep_the_layer_path(smollm2: LoadedModel, fast_calls: list[int]) -> None:
+    fast = smollm2.model.model.decode_layers
+    assert fast is not None and fast.max_rows == 16  # fp32: the small-batch kernel's rows
+    llm = LLM(loaded=smollm2, device="cpu", num_blocks=256, kv_cache_dtype="bfloat16", enable_prefix_caching=False)
+    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert not fast_calls  # an fp32 model on a bf16 cache: the op would not write that cache itself
+    llm = LLM(loaded=smollm2, device="cpu", num_blocks=256, enable_prefix_caching=False)
+    llm.generate([[11 + i] * 8 for i in range(17)], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert not fast_calls  # 17 decode rows: more than the small-batch kernel takes
+    assert DecodeLayers.build(list(smollm2.model.model.layers), None) is None
