@@ -2,8 +2,9 @@
 
 At few rows a decode step is bound by the bytes of its weights, and the
 Python around each layer's kernels (module lookups, views, empty tensors,
-argument conversion for ~12 calls) cost ~60-100 us a layer on the 2-core
-EPYC: 2-3 ms of a 30-layer step, ~15% of an fp32 batch-1 step.
+argument conversion for ~12 calls) cost 35-70 us a layer on the 2-core
+EPYC: 1.1-2.1 ms of a 30-layer step, 8-13% of the steps of 1-32 rows
+measured.
 ``decode_layer`` (``streamkv/ops/csrc/decode_layer.cpp``) runs the same
 kernels in the same order from C++, so its result is the same to the bit
 (``tests/model/test_decode_layers.py``); measured in docs/benchmarks.md,
@@ -11,7 +12,8 @@ kernels in the same order from C++, so its result is the same to the bit
 
 It takes a step when every condition of that equivalence holds: a pure decode
 step (every sequence has one new token), no more rows than the small-batch
-matmul kernel takes (it runs every projection), the C++ CPU attention backend,
+matmul kernel takes (it runs every projection; int8 weights run on that
+kernel at every batch size, so then any batch), the C++ CPU attention backend,
 and a KV cache the op writes itself (the model's dtype, or int8). Anything
 else runs the layers one op at a time, as before.
 """
@@ -61,8 +63,8 @@ class DecodeLayers:
         max_rows = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            args: list[Any] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                               layer.input_layernorm.eps]  # fmt: skip
+            norm, post = layer.input_layernorm, layer.post_attention_layernorm
+            args: list[Any] = [norm.weight, norm.eps, post.weight, post.eps]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 m = linear.small
                 if m is None:
@@ -104,6 +106,5 @@ class DecodeLayers:
         residual = h
         run = self.ops.decode_layer
         for i, (args, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            in_norm, post_norm, eps, *weights = args
-            h = run(h, residual, i == 0, in_norm, post_norm, eps, *weights, cos, sin, kv_cache, *step)
+            h = run(h, residual, i == 0, *args, cos, sin, kv_cache, *step)
         return h, residual

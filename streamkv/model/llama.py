@@ -219,7 +219,8 @@ class LlamaForCausalLM(nn.Module):
         it too). ``None`` restores the torch ops. Only a CPU model in float32 or
         bfloat16 takes them. With ``decode_ops`` too, and every projection on
         the small-batch kernel (:meth:`prepack_cpu_weights` first), pure-decode
-        steps run each layer in one C++ call (:class:`DecodeLayers`).
+        steps run each layer in one C++ call (:class:`DecodeLayers`); a call
+        without ``decode_ops`` turns that off.
 
         Args:
             ops: :func:`streamkv.ops.cpu_ops.load_fused_ops`'s module, or ``None``.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -231,8 +232,9 @@ def from_hf(
         from streamkv.ops.cpu_ops import load_decode_ops, load_fused_ops  # build on first use; None when they cannot
 
         model.use_fused_ops(load_fused_ops(), load_decode_ops() if small_ops is not None else None)
-        if model.model.decode_layers is not None:
-            logger.info("decode steps of up to %d rows run one C++ call per layer", model.model.decode_layers.max_rows)
+        if (fast := model.model.decode_layers) is not None:
+            rows = "any number of" if fast.max_rows == sys.maxsize else f"up to {fast.max_rows}"
+            logger.info("pure-decode steps of %s rows run one C++ call per decoder layer", rows)
     return LoadedModel(
         model=model,
         tokenizer=checkpoint.tokenizer,

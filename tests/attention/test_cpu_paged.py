@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from streamkv.attention.kv_layout import write_kv
+from streamkv.attention.kv_layout import gather_slots, write_kv
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from streamkv.llm import LLM
@@ -268,6 +268,55 @@ def test_int8_decode_error_is_a_small_part_of_the_int8_storage_error(head_dim: i
     assert float(our_err.max()) <= 1.2 * float(torch_err.max())
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_decode_keeps_the_softmax_tail_next_to_a_peak(
+    num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
+    # One key takes ~96% of the softmax; 3,000 others share the rest, each far below 1/65534 of the peak's
+    # weight. The int16 weights are scaled per 16-token run, so the tail is kept: against float64 attention over
+    # the same dequantized pool the kernel is off by 0.9-2.3e-4 (fp32 queries), where one scale per head lost the
+    # whole tail (7-9e-3 here; 1.6e-2 with bf16 queries, against 3.9-5.4e-3 now).
+    ops = cpu_paged.load_cpu_ops()
+    gen = torch.Generator().manual_seed(11)
+    head_dim, block_size, length = 64, 16, 3001
+    blocks = -(-length // block_size)
+    k = torch.randn(length, num_kv_heads, head_dim, generator=gen) * 0.05
+    v = torch.randn(length, num_kv_heads, head_dim, generator=gen) + 1.0  # a tail mean far from 0
+    q = torch.randn(1, num_heads, head_dim, generator=gen)
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5
+    for h in range(num_kv_heads):  # the peak: key 1500 along its KV head's first query head, score 11.2
+        qh = q[0, h * group]
+        k[1500, h] = qh * (11.2 / (float(qh @ qh) * scale))
+    v[1500] = -3.0
+    cache = poisoned_cache("int8", blocks + 2, block_size, num_kv_heads, head_dim)
+    table = torch.randperm(blocks + 2, generator=gen)[:blocks].int()
+    slots = table.long().repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(blocks)
+    write_kv(cache, slots[:length], k, v)
+    out = torch.empty(1, num_heads, head_dim, dtype=dtype)
+    ops.paged_decode(out, q.to(dtype), cache, table[None], torch.tensor([length], dtype=torch.int32), scale)
+    kv = gather_slots(cache, slots[:length], torch.float64)  # [2, L, Hkv, D], the values the cache holds
+    kk, vv = kv[0].repeat_interleave(group, 1), kv[1].repeat_interleave(group, 1)
+    w = torch.softmax(torch.einsum("hd,lhd->hl", q.to(dtype)[0].double(), kk) * scale, -1)
+    ref = torch.einsum("hl,lhd->hd", w, vv)
+    assert float(w[0].max()) > 0.9 and float(w[0].sort().values[:-1].sum()) > 0.02  # a peak, and a real tail
+    err = float((out[0].double() - ref).abs().max())
+    assert err <= (1e-3 if dtype == torch.float32 else 1e-2), err  # measured 0.9-2.3e-4 / 3.9-5.4e-3
+
+
+def test_int8_decode_keeps_a_nan_v_row_nan() -> None:
+    ops = cpu_paged.load_cpu_ops()
+    cache = poisoned_cache("int8", 2, 16, 1, 64)
+    write_kv(cache, torch.arange(20), torch.randn(20, 1, 64), torch.randn(20, 1, 64))
+    rows = cache.view(torch.uint8).view(2, 32, 1, 68)
+    rows[1, 7, 0, 64:] = torch.tensor([float("nan")]).view(torch.uint8)  # token 7's V scale
+    out = torch.empty(1, 4, 64)
+    ops.paged_decode(out, torch.randn(1, 4, 64), cache, torch.tensor([[0, 1]], dtype=torch.int32),
+                     torch.tensor([20], dtype=torch.int32), 0.125)  # fmt: skip
+    assert out.isnan().all()
+
+
 def test_int8_write_kv_gives_the_torch_quantizers_bytes() -> None:
     ops = cpu_paged.load_cpu_ops()
     gen = torch.Generator().manual_seed(3)
@@ -276,7 +325,11 @@ def test_int8_write_kv_gives_the_torch_quantizers_bytes() -> None:
             key = torch.randn(7, 3, head_dim, generator=gen) * torch.logspace(-4, 3, 7)[:, None, None]
             value = torch.randn(7, 3, head_dim, generator=gen)
             key[2, 1] = 0.0  # an all-zero row: scale 0, codes 0
-            value[4, 0, :3] = torch.tensor([0.5, -0.5, 1.5]) * value[4, 0].abs().max() / 63.5  # ties at x / scale
+            value[4, 0] = 0.25
+            value[4, 0, :5] = torch.tensor([0.5, -0.5, 1.5, 2.5, 127.0])  # scale 1: ties at x / scale
+            value[5, 1, 3] = float("nan")  # torch's amax: a NaN scale (the row divided by 1), code 0 for the NaN
+            value[6, 2, 0] = float("inf")  # scale inf: finite codes 0, the inf's NaN quotient code 0
+            value[6, 0, 1] = float("-inf")
             key, value = key.to(dtype), value.to(dtype)
             slots = torch.tensor([9, 0, 3, 14, 5, 8, 1])
             want = poisoned_cache("int8", 4, 4, 3, head_dim)
@@ -284,6 +337,8 @@ def test_int8_write_kv_gives_the_torch_quantizers_bytes() -> None:
             got = poisoned_cache("int8", 4, 4, 3, head_dim)
             ops.write_kv(got, key, value, slots)
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (dtype, head_dim)
+            nan_scale = got.view(torch.uint8).view(2, 16, 3, head_dim + 4)[1, slots[5], 1, head_dim:]
+            assert nan_scale.view(torch.float32).isnan().all()  # the NaN row stays visibly NaN in the cache
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.write_kv(poisoned_cache("int8", 4, 4, 3, 64), key.half(), value.half(), slots)
 

@@ -2,8 +2,9 @@
 // Python, in the same order on the same kernels, so the result is the same to the bit.
 //
 // Why: a decode step at few rows spends its time in the weights' bytes, and the ~12 calls a layer makes from
-// Python (module lookups, views, empty tensors, argument conversion) cost ~60-100 us a layer on the 2-core EPYC:
-// ~2-3 ms of a 30-layer step, 15-20% of an fp32 batch-1 step (docs/benchmarks.md, "One call per decoder layer").
+// Python (module lookups, views, empty tensors, argument conversion) cost 35-70 us a layer on the 2-core EPYC:
+// 1.1-2.1 ms of a 30-layer step, 8-13% of the steps of 1-32 rows measured (docs/benchmarks.md, "One call per
+// decoder layer").
 //
 // Built as its own extension (streamkv_decode_ops) from this file and the sources of the three op sets, whose
 // Python modules are left out (STREAMKV_NO_PYBIND): one that fails to build costs only this fast path.
@@ -18,19 +19,9 @@
 
 #include <torch/extension.h>
 
-#include <optional>
+#include "ops.h"
 
-// The op sets' entry points (paged_attention.cpp, fused_layers.cpp, small_linear.cpp).
-void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
-                  double scale);
-void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping);
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
-void add_rms_norm(at::Tensor out, const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps);
-void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
-void rope(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
-void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias);
+#include <optional>
 
 namespace {
 
@@ -50,7 +41,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 // h [T, H] -> the layer's output [T, H]; residual [T, H] updated in place (pass h itself for the first layer).
 // Weights: the packed matmuls of SmallMatmul (scale set for int8), each with its N.
 at::Tensor decode_layer(const at::Tensor& h, at::Tensor residual, bool first, const at::Tensor& input_norm,
-                        const at::Tensor& post_norm, double eps,
+                        double input_eps, const at::Tensor& post_norm, double post_eps,
                         const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_scale,
                         const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_w,
                         const c10::optional<at::Tensor>& o_scale, const c10::optional<at::Tensor>& o_bias,
@@ -67,9 +58,9 @@ at::Tensor decode_layer(const at::Tensor& h, at::Tensor residual, bool first, co
   at::Tensor x = at::empty_like(h);
   if (first) {
     TORCH_CHECK(residual.is_same(h), "the first layer's residual is h itself");
-    rms_norm(x, h, input_norm, eps);
+    rms_norm(x, h, input_norm, input_eps);
   } else {
-    add_rms_norm(x, h, residual, input_norm, eps);
+    add_rms_norm(x, h, residual, input_norm, input_eps);
   }
   const at::Tensor qkv = linear(x, qkv_w, qkv_scale, qkv_bias, (qk_heads + num_kv_heads) * head_dim);
   at::Tensor qk = at::empty({tokens, qk_heads, head_dim}, h.options());
@@ -81,7 +72,7 @@ at::Tensor decode_layer(const at::Tensor& h, at::Tensor residual, bool first, co
   paged_decode(attn, q, kv_cache, block_tables, seq_lens, scale);
   const at::Tensor o = linear(attn.view({tokens, q_width}), o_w, o_scale, o_bias, hidden);
   at::Tensor x2 = at::empty_like(h);
-  add_rms_norm(x2, o, residual, post_norm, eps);
+  add_rms_norm(x2, o, residual, post_norm, post_eps);
   const at::Tensor gate_up = linear(x2, gate_up_w, gate_up_scale, gate_up_bias, 2 * intermediate);
   at::Tensor act = at::empty({tokens, intermediate}, h.options());
   silu_and_mul(act, gate_up);

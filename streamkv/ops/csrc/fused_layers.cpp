@@ -21,6 +21,7 @@
 #include <immintrin.h>
 #endif
 #include "simd_math.h"
+#include "ops.h"
 
 #include <cmath>
 #include <cstdint>
@@ -188,7 +189,7 @@ void rope_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, cons
         const T* xr = src + t * sxt + h * sxh;
         T* dst = o + t * sot + h * soh;
 #if defined(__AVX512F__)
-        if (half % 16 == 0) {  // both halves in 16-lane chunks: the same fp32 arithmetic as the loop below
+        if (half % 16 == 0) {  // both halves in 16-lane chunks: dtype(x * cos), then one FMA, as torch.addcmul
           for (int64_t i = 0; i < half; i += 16) {
             const __m512 lo = load16(xr + i), hi = load16(xr + half + i);
             store16(dst + i, _mm512_fmadd_ps(hi, load16(st + i), round16(_mm512_mul_ps(lo, load16(ct + i)), dst)));

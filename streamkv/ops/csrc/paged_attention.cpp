@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include "kv_row.h"
+#include "ops.h"
 #include "simd_math.h"
 
 #include <algorithm>
@@ -159,7 +160,55 @@ inline void prefetch_block(const kv_t* first_row, int64_t rows, int64_t slot_str
     for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
-// The sizes, strides and pointers both AVX-512 decode kernels read from their arguments, and the scores'
+// The lanes of scores [p, p + 16) that hold one of a sequence's len tokens.
+inline __mmask16 live_lanes(int64_t len, int64_t p) {
+  return len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
+}
+
+// max of scores[0, len), the softmax's shift.
+inline float masked_max(const float* s, int64_t len) {
+  __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t p = 0; p < len; p += 16) {
+    const __mmask16 live = live_lanes(len, p);
+    m16 = _mm512_mask_max_ps(m16, live, m16, _mm512_maskz_loadu_ps(live, s + p));
+  }
+  return _mm512_reduce_max_ps(m16);
+}
+
+// The V rows of one KV head two tokens at a time, in the order of the block table: rows(v0, v1) gives tokens p
+// and p + 1 (v1 nullptr past the last token) and prefetches two blocks ahead, as pass 1 does.
+template <typename kv_t, typename BlockRow>
+struct TokenPairs {
+  BlockRow block_row;  // logical block j -> its row of this head at slot 0, V half
+  int64_t block_size, slot_stride, row_bytes, num_blocks, len;
+  int64_t j = 0, off = 0;  // the next token sits at offset off of logical block j
+
+  void start() {
+    if (2 < num_blocks) prefetch_block(block_row(2), block_size, slot_stride, row_bytes);
+  }
+  const kv_t* next(int64_t p) {
+    if (p >= len) return nullptr;
+    const kv_t* row = block_row(j) + off * slot_stride;
+    if (++off == block_size) {
+      off = 0;
+      ++j;
+      if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), block_size, slot_stride, row_bytes);
+    }
+    return row;
+  }
+};
+
+// Pass 2's accumulators back in head-dim order: lane 4L + i of vector 2w holds head dim 32w + 8L + i, of vector
+// 2w + 1 dim 32w + 8L + 4 + i (i < 4), as vpunpck[lh]wd of two rows leaves them.
+template <int W, typename q_t>
+inline void store_deinterleaved(q_t* dst, const float* tmp) {
+  for (int w = 0; w < W; ++w)
+    for (int half = 0; half < 2; ++half)
+      for (int lane = 0; lane < 16; ++lane)
+        dst[32 * w + 8 * (lane / 4) + 4 * half + lane % 4] = static_cast<q_t>(tmp[16 * (2 * w + half) + lane]);
+}
+
+// The sizes, strides and pointers the AVX-512 decode kernels read from their arguments, and the scores'
 // per-head stride (max_len rounded up to 16, plus 16 lanes of scratch).
 template <typename q_t, typename kv_t>
 struct DecodeView {
@@ -250,15 +299,10 @@ void decode_avx512(
       // Softmax per query head; lanes past len are masked out of max, exp and sum.
       for (int64_t g = 0; g < d.group; ++g) {
         float* s = &scores[g * d.padded_len];
-        __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t p = 0; p < len; p += 16) {
-          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
-          m16 = _mm512_mask_max_ps(m16, live, m16, _mm512_maskz_loadu_ps(live, s + p));
-        }
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(m16));
+        const __m512 m = _mm512_set1_ps(masked_max(s, len));
         __m512 sum16 = _mm512_setzero_ps();
         for (int64_t p = 0; p < len; p += 16) {
-          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
+          const __mmask16 live = live_lanes(len, p);
           const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + p), m)));
           _mm512_mask_storeu_ps(s + p, live, e);
           sum16 = _mm512_add_ps(sum16, e);
@@ -363,16 +407,11 @@ void decode_avx512_bf16(
       // Softmax per query head in fp32; the weights rounded to bf16, padded with a zero weight to an even count.
       for (int64_t g = 0; g < d.group; ++g) {
         float* s = &scores[g * d.padded_len];
-        __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t p = 0; p < len; p += 16) {
-          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
-          m16 = _mm512_mask_max_ps(m16, live, m16, _mm512_maskz_loadu_ps(live, s + p));
-        }
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(m16));
+        const __m512 m = _mm512_set1_ps(masked_max(s, len));
         __m512 sum16 = _mm512_setzero_ps();
         auto* wb = reinterpret_cast<__m256i*>(&weights[g * (d.padded_len / 2)]);
         for (int64_t p = 0; p < len; p += 16) {
-          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
+          const __mmask16 live = live_lanes(len, p);
           const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + p), m)));
           const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
           _mm256_storeu_si256(wb + p / 16, eb);
@@ -381,20 +420,12 @@ void decode_avx512_bf16(
         inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum16);
       }
       // Pass 2: acc_g += w_g,p v_p + w_g,p+1 v_p+1 over token pairs, the next blocks prefetched as pass 1 does.
-      int64_t j = 0, off = 0;  // token p sits at offset off of logical block j
-      auto advance = [&] {
-        if (++off == d.block_size) {
-          off = 0;
-          ++j;
-          if (j + 2 < num_blocks) prefetch_block(block_row(j + 2) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
-        }
-      };
-      if (2 < num_blocks) prefetch_block(block_row(2) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
+      auto v_row = [&](int64_t jj) { return block_row(jj) + d.v_offset; };
+      TokenPairs<bf16, decltype(v_row)> pairs{v_row, d.block_size, d.slot_stride, d.row_bytes, num_blocks, len};
+      pairs.start();
       for (int64_t p = 0; p < len; p += 2) {
-        const bf16* v0 = block_row(j) + d.v_offset + off * d.slot_stride;
-        advance();
-        const bf16* v1 = p + 1 < len ? block_row(j) + d.v_offset + off * d.slot_stride : nullptr;
-        advance();
+        const bf16* v0 = pairs.next(p);
+        const bf16* v1 = pairs.next(p + 1);
         __m512i vi[C];
         for (int w = 0; w < W; ++w) {
           const __m512i a = _mm512_loadu_si512(v0 + 32 * w);
@@ -407,16 +438,12 @@ void decode_avx512_bf16(
           for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_dpbf16_ps(acc[g * C + c], wp, (__m512bh)vi[c]);
         }
       }
-      // Lane 4L + i of vi[2w] holds head dim 32w + 8L + i, of vi[2w + 1] dim 32w + 8L + 4 + i (i < 4).
       for (int64_t g = 0; g < d.group; ++g) {
         alignas(64) float tmp[head_dim];
         const __m512 inv = _mm512_set1_ps(inv_sum[g]);
         for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g * C + c], inv));
         bf16* dst = d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h;
-        for (int w = 0; w < W; ++w)
-          for (int half = 0; half < 2; ++half)
-            for (int lane = 0; lane < 16; ++lane)
-              dst[32 * w + 8 * (lane / 4) + 4 * half + lane % 4] = static_cast<bf16>(tmp[16 * (2 * w + half) + lane]);
+        store_deinterleaved<W>(dst, tmp);
       }
     }
   });
@@ -431,26 +458,28 @@ void decode_avx512_bf16(
 //   step), and a key row's codes are widened to int16 as they lie: q . k is C / 2 instructions. The score is
 //   that integer times the query's and the key row's scales.
 // - Pass 2: the softmax weight of token p times its V row's scale, u_p, is quantized to int16 against the
-//   largest u of the head (max u / 32767); V rows p and p + 1 are widened and interleaved 16 bits at a time, as
-//   decode_avx512_bf16 pairs them, and the int32 sums go to fp32 every 256 pairs (before 2 * 32767 * 128 * 256
-//   could overflow). The sum of the softmax is taken of the unquantized fp32 weights.
-// Measured against decode_avx512's int8 instance: docs/benchmarks.md, "int8 KV decode on VNNI".
+//   largest u of its run of 16 tokens (p / 16), so a token is off by at most 1 / 65534 of its run's largest u
+//   and a long tail of small weights next to one large one is kept (one scale per head would round every u
+//   below 1 / 65534 of the peak to 0). V rows p and p + 1 are widened and interleaved 16 bits at a time, as
+//   decode_avx512_bf16 pairs them; each run's int32 sums go to fp32 times the run's scale. The sum of the
+//   softmax is taken of the unquantized fp32 weights. A NaN u makes its run's scale NaN, so NaN V rows stay NaN.
+// Measured against the bf16 kernel: docs/benchmarks.md, "int8 KV: the write and the decode kernel in C++".
 template <int C, typename q_t>
 void decode_avx512_int8(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   constexpr int64_t head_dim = 16 * C;
-  constexpr int W = C / 2;             // 32-code int16 vectors per row
-  constexpr int64_t FLUSH_PAIRS = 256;  // token pairs per int32 partial sum of pass 2
+  constexpr int W = C / 2;  // 32-code int16 vectors per row
   const DecodeView<q_t, int8_t> view(out, query, kv_cache, block_tables, seq_lens);
 
   at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
     std::vector<__m512i> q(d.group * W), acc(d.group * C);
     std::vector<__m512> acc_f(d.group * C);
-    std::vector<float> q_scale(d.group), out_scale(d.group);
+    std::vector<float> q_scale(d.group), inv_sum(d.group);
     std::vector<float> scores(d.group * d.padded_len), v_scale(d.padded_len);
     std::vector<int16_t> weights(d.group * d.padded_len);  // int16 u_p; pairs (2i, 2i + 1) read as one int32
+    std::vector<float> run_scale(d.group * (d.padded_len / 16));  // the int16 step of u in each 16-token run
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / d.num_kv_heads, h = task % d.num_kv_heads;
       const int64_t len = d.len_ptr[b];
@@ -515,43 +544,29 @@ void decode_avx512_int8(
       // Softmax per query head in fp32; u_p = weight * V scale, quantized to int16 against the head's largest u.
       for (int64_t g = 0; g < d.group; ++g) {
         float* s = &scores[g * d.padded_len];
-        __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        const __m512 m = _mm512_set1_ps(masked_max(s, len));
+        __m512 sum16 = _mm512_setzero_ps();
         for (int64_t p = 0; p < len; p += 16) {
-          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
-          m16 = _mm512_mask_max_ps(m16, live, m16, _mm512_maskz_loadu_ps(live, s + p));
-        }
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(m16));
-        __m512 sum16 = _mm512_setzero_ps(), umax16 = _mm512_setzero_ps();
-        for (int64_t p = 0; p < len; p += 16) {
-          const __mmask16 live = len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
+          const __mmask16 live = live_lanes(len, p);
           const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + p), m)));
           sum16 = _mm512_add_ps(sum16, e);
-          const __m512 u = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(live, &v_scale[p]));
-          _mm512_storeu_ps(s + p, u);  // lanes past len are 0
-          umax16 = _mm512_max_ps(umax16, u);
-        }
-        const float u_scale = _mm512_reduce_max_ps(umax16) / 32767.f;
-        const __m512 inv = _mm512_set1_ps(u_scale > 0.f ? 1.f / u_scale : 0.f);
-        for (int64_t p = 0; p < len; p += 16)
+          const __m512 u = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(live, &v_scale[p]));  // lanes past len are 0
+          float step = _mm512_reduce_max_ps(u) / 32767.f;
+          if (_mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q)) step = std::numeric_limits<float>::quiet_NaN();
+          run_scale[g * (d.padded_len / 16) + p / 16] = step;
+          const __m512 divisor = _mm512_set1_ps(step > 0.f ? step : 1.f);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(&weights[g * d.padded_len + p]),
-                              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(s + p), inv))));
-        out_scale[g] = u_scale / _mm512_reduce_add_ps(sum16);
+                              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(u, divisor))));
+        }
+        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum16);
       }
       // Pass 2: acc_g += u_g,p v_p + u_g,p+1 v_p+1 over token pairs, the next blocks prefetched as pass 1 does.
-      int64_t j = 0, off = 0;  // token p sits at offset off of logical block j
-      auto advance = [&] {
-        if (++off == d.block_size) {
-          off = 0;
-          ++j;
-          if (j + 2 < num_blocks) prefetch_block(block_row(j + 2) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
-        }
-      };
-      if (2 < num_blocks) prefetch_block(block_row(2) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
+      auto v_row = [&](int64_t jj) { return block_row(jj) + d.v_offset; };
+      TokenPairs<int8_t, decltype(v_row)> pairs{v_row, d.block_size, d.slot_stride, d.row_bytes, num_blocks, len};
+      pairs.start();
       for (int64_t p = 0; p < len; p += 2) {
-        const int8_t* v0 = block_row(j) + d.v_offset + off * d.slot_stride;
-        advance();
-        const int8_t* v1 = p + 1 < len ? block_row(j) + d.v_offset + off * d.slot_stride : nullptr;
-        advance();
+        const int8_t* v0 = pairs.next(p);
+        const int8_t* v1 = pairs.next(p + 1);
         __m512i vi[C];
         for (int w = 0; w < W; ++w) {
           const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 32 * w)));
@@ -567,24 +582,21 @@ void decode_avx512_int8(
           const __m512i wp = _mm512_set1_epi32(pair);
           for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_dpwssd_epi32(acc[g * C + c], wp, vi[c]);
         }
-        if ((p / 2 + 1) % FLUSH_PAIRS == 0)
-          for (int64_t i = 0; i < d.group * C; ++i) {
-            acc_f[i] = _mm512_add_ps(acc_f[i], _mm512_cvtepi32_ps(acc[i]));
-            acc[i] = _mm512_setzero_si512();
+        if ((p + 2) % 16 == 0 || p + 2 >= len)  // the end of a 16-token run: its sums to fp32, times its scale
+          for (int64_t g = 0; g < d.group; ++g) {
+            const __m512 step = _mm512_set1_ps(run_scale[g * (d.padded_len / 16) + p / 16]);
+            for (int c = 0; c < C; ++c) {
+              acc_f[g * C + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g * C + c]), step, acc_f[g * C + c]);
+              acc[g * C + c] = _mm512_setzero_si512();
+            }
           }
       }
-      // Lane 4L + i of vi[2w] holds head dim 32w + 8L + i, of vi[2w + 1] dim 32w + 8L + 4 + i (i < 4).
       for (int64_t g = 0; g < d.group; ++g) {
         alignas(64) float tmp[head_dim];
-        const __m512 sc = _mm512_set1_ps(out_scale[g]);
-        for (int c = 0; c < C; ++c)
-          _mm512_store_ps(tmp + 16 * c,
-                          _mm512_mul_ps(_mm512_add_ps(acc_f[g * C + c], _mm512_cvtepi32_ps(acc[g * C + c])), sc));
+        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc_f[g * C + c], inv));
         q_t* dst = d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h;
-        for (int w = 0; w < W; ++w)
-          for (int half = 0; half < 2; ++half)
-            for (int lane = 0; lane < 16; ++lane)
-              dst[32 * w + 8 * (lane / 4) + 4 * half + lane % 4] = static_cast<q_t>(tmp[16 * (2 * w + half) + lane]);
+        store_deinterleaved<W>(dst, tmp);
       }
     }
   });
@@ -648,24 +660,34 @@ namespace {
 
 // One row of D values as int8 codes and their float32 scale, the bytes kv_layout.quantize writes:
 // scale = max |x| / 127, code = round-half-even(x / scale) clamped to +-127 (an all-zero row: scale 0, codes 0).
-// The same fp32 operations in the same order (a true division, not a reciprocal), so the bytes are equal.
+// The same fp32 operations in the same order (a true division, not a reciprocal), so the bytes are equal; as
+// torch's amax, a NaN makes the scale NaN (the row is then divided by 1), and a NaN quotient stores code 0.
 template <typename x_t>
 void quantize_row_int8(const x_t* x, int64_t d, char* dst) {
   float absmax = 0.f;
-  for (int64_t i = 0; i < d; ++i) absmax = std::max(absmax, std::fabs(to_float(x[i])));
-  const float scale = absmax / 127.f;
-  const float div = scale > 0.f ? scale : 1.f;
+  bool nan = false;
+  for (int64_t i = 0; i < d; ++i) {
+    const float a = std::fabs(to_float(x[i]));
+    nan |= std::isnan(a);
+    absmax = std::max(absmax, a);
+  }
+  const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : absmax / 127.f;
+  const float divisor = scale > 0.f ? scale : 1.f;
   auto* codes = reinterpret_cast<int8_t*>(dst);
   int64_t i = 0;
 #if defined(__AVX512F__)
-  const __m512 inv = _mm512_set1_ps(div), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+  const __m512 div = _mm512_set1_ps(divisor), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
   for (; i + 16 <= d; i += 16) {
-    __m512 c = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    c = _mm512_min_ps(_mm512_max_ps(c, lo), hi);
+    __m512 c = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm512_min_ps(hi, _mm512_max_ps(lo, c));  // max / min return their second operand, c, when it is NaN
+    c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(c, c, _CMP_ORD_Q), c);  // NaN -> code 0
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
   }
 #endif
-  for (; i < d; ++i) codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(to_float(x[i]) / div), -127.f, 127.f));
+  for (; i < d; ++i) {
+    const float c = std::nearbyint(to_float(x[i]) / divisor);
+    codes[i] = std::isnan(c) ? 0 : static_cast<int8_t>(std::clamp(c, -127.f, 127.f));
+  }
   std::memcpy(dst + d, &scale, sizeof(scale));
 }
 
@@ -728,10 +750,6 @@ void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor 
     std::memcpy(base + half * elem + slots[t] * row_bytes, v + t * vs, row_bytes);
   }
 }
-
-// Defined in paged_prefill.cpp.
-void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_tables,
-                   at::Tensor seq_lens, at::Tensor query_start_loc, double scale);
 
 #ifndef STREAMKV_NO_PYBIND  // left out of streamkv_decode_ops (decode_layer.cpp), which calls the ops directly
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 
 #include "kv_row.h"
+#include "ops.h"
 #include "kv_tile.h"
 #include "simd_math.h"
 

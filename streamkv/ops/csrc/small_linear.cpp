@@ -32,6 +32,7 @@
 // accumulates in fp32 (vdpbf16ps), then rounds to bf16 once, round-to-nearest-even: the contract of
 // oneDNN's bf16 matmul, with another summation order. The bias is added in fp32 before that rounding.
 
+#include "ops.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
