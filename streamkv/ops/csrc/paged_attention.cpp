@@ -175,6 +175,21 @@ inline float masked_max(const float* s, int64_t len) {
   return _mm512_reduce_max_ps(m16);
 }
 
+// Pass 1's walk over one KV head's keys: block by block in table order, the rows of the block two ahead
+// prefetched, in runs of up to 16 keys of one block. body(base, k0, n, p0) gets the block's row at slot 0, the
+// run's first slot in it, the run's length and its first key's position; scores past p0 + n are scratch,
+// overwritten by the next run or never read.
+template <typename View, typename BlockRow, typename Body>
+inline void for_each_key_run(const View& d, BlockRow block_row, int64_t num_blocks, int64_t len, Body&& body) {
+  if (num_blocks > 1) prefetch_block(block_row(1), d.block_size, d.slot_stride, d.row_bytes);
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), d.block_size, d.slot_stride, d.row_bytes);
+    const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
+    for (int64_t k0 = 0; k0 < block_len; k0 += 16)
+      body(block_row(j), k0, std::min<int64_t>(16, block_len - k0), j * d.block_size + k0);
+  }
+}
+
 // The V rows of one KV head two tokens at a time, in the order of the block table: rows(v0, v1) gives tokens p
 // and p + 1 (v1 nullptr past the last token) and prefetches two blocks ahead, as pass 1 does.
 template <typename kv_t, typename BlockRow>
@@ -266,34 +281,26 @@ void decode_avx512(
         for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
       }
       // Pass 1: scores[g, p] = q_g . k_p, up to 16 keys of a block at a time.
-      if (num_blocks > 1) prefetch_block(block_row(1), d.block_size, d.slot_stride, d.row_bytes);
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const kv_t* base = block_row(j);
-        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), d.block_size, d.slot_stride, d.row_bytes);
-        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
-        for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
-          const int64_t n = std::min<int64_t>(16, block_len - k0);
-          const int64_t p0 = j * d.block_size + k0;  // scores past p0 + n are scratch, overwritten or unread
-          alignas(64) float ks[16];
-          for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * d.slot_stride, head_dim) : 0.f;
-          for (int64_t g = 0; g < d.group; ++g) {
-            __m512 part[16];
-            for (int k = 0; k < 16; ++k) {
-              if (k >= n) {
-                part[reduce_slot(k)] = _mm512_setzero_ps();
-                continue;
-              }
-              const kv_t* key = base + (k0 + k) * d.slot_stride;
-              __m512 s = _mm512_mul_ps(q[g * C], load16(key));
-              for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[g * C + c], load16(key + 16 * c), s);
-              part[reduce_slot(k)] = s;
+      for_each_key_run(d, block_row, num_blocks, len, [&](const kv_t* base, int64_t k0, int64_t n, int64_t p0) {
+        alignas(64) float ks[16];
+        for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * d.slot_stride, head_dim) : 0.f;
+        for (int64_t g = 0; g < d.group; ++g) {
+          __m512 part[16];
+          for (int k = 0; k < 16; ++k) {
+            if (k >= n) {
+              part[reduce_slot(k)] = _mm512_setzero_ps();
+              continue;
             }
-            __m512 sc = reduce16(part);
-            if constexpr (is_quantized<kv_t>) sc = _mm512_mul_ps(sc, _mm512_load_ps(ks));
-            _mm512_storeu_ps(&scores[g * d.padded_len + p0], sc);
+            const kv_t* key = base + (k0 + k) * d.slot_stride;
+            __m512 s = _mm512_mul_ps(q[g * C], load16(key));
+            for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[g * C + c], load16(key + 16 * c), s);
+            part[reduce_slot(k)] = s;
           }
+          __m512 sc = reduce16(part);
+          if constexpr (is_quantized<kv_t>) sc = _mm512_mul_ps(sc, _mm512_load_ps(ks));
+          _mm512_storeu_ps(&scores[g * d.padded_len + p0], sc);
         }
-      }
+      });
       prefetch_block(block_row(0) + d.v_offset, std::min(d.block_size, len), d.slot_stride, d.row_bytes);
       if (num_blocks > 1) prefetch_block(block_row(1) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
       // Softmax per query head; lanes past len are masked out of max, exp and sum.
@@ -377,31 +384,23 @@ void decode_avx512_bf16(
         for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
       }
       // Pass 1: scores[g, p] = (q_g . k_p) * scale, up to 16 keys of a block at a time.
-      if (num_blocks > 1) prefetch_block(block_row(1), d.block_size, d.slot_stride, d.row_bytes);
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const bf16* base = block_row(j);
-        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), d.block_size, d.slot_stride, d.row_bytes);
-        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
-        for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
-          const int64_t n = std::min<int64_t>(16, block_len - k0);
-          const int64_t p0 = j * d.block_size + k0;
-          for (int64_t g = 0; g < d.group; ++g) {
-            __m512 part[16];
-            for (int k = 0; k < 16; ++k) {
-              if (k >= n) {
-                part[reduce_slot(k)] = _mm512_setzero_ps();
-                continue;
-              }
-              const bf16* key = base + (k0 + k) * d.slot_stride;
-              __m512 s = _mm512_setzero_ps();
-              for (int w = 0; w < W; ++w)
-                s = _mm512_dpbf16_ps(s, (__m512bh)q[g * W + w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
-              part[reduce_slot(k)] = s;
+      for_each_key_run(d, block_row, num_blocks, len, [&](const bf16* base, int64_t k0, int64_t n, int64_t p0) {
+        for (int64_t g = 0; g < d.group; ++g) {
+          __m512 part[16];
+          for (int k = 0; k < 16; ++k) {
+            if (k >= n) {
+              part[reduce_slot(k)] = _mm512_setzero_ps();
+              continue;
             }
-            _mm512_storeu_ps(&scores[g * d.padded_len + p0], _mm512_mul_ps(reduce16(part), scale16));
+            const bf16* key = base + (k0 + k) * d.slot_stride;
+            __m512 s = _mm512_setzero_ps();
+            for (int w = 0; w < W; ++w)
+              s = _mm512_dpbf16_ps(s, (__m512bh)q[g * W + w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
+            part[reduce_slot(k)] = s;
           }
+          _mm512_storeu_ps(&scores[g * d.padded_len + p0], _mm512_mul_ps(reduce16(part), scale16));
         }
-      }
+      });
       prefetch_block(block_row(0) + d.v_offset, std::min(d.block_size, len), d.slot_stride, d.row_bytes);
       if (num_blocks > 1) prefetch_block(block_row(1) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
       // Softmax per query head in fp32; the weights rounded to bf16, padded with a zero weight to an even count.
@@ -508,34 +507,26 @@ void decode_avx512_int8(
         }
       }
       // Pass 1: scores[g, p] = (q_g . k_p) * q_scale_g * k_scale_p, up to 16 keys of a block at a time.
-      if (num_blocks > 1) prefetch_block(block_row(1), d.block_size, d.slot_stride, d.row_bytes);
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const int8_t* base = block_row(j);
-        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), d.block_size, d.slot_stride, d.row_bytes);
-        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
-        for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
-          const int64_t n = std::min<int64_t>(16, block_len - k0);
-          const int64_t p0 = j * d.block_size + k0;  // scores past p0 + n are scratch, overwritten or unread
-          alignas(64) float ks[16];
-          for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * d.slot_stride, head_dim) : 0.f;
-          for (int64_t g = 0; g < d.group; ++g) {
-            __m512i part[16];
-            for (int k = 0; k < 16; ++k) {
-              __m512i s = _mm512_setzero_si512();
-              if (k < n) {
-                const int8_t* key = base + (k0 + k) * d.slot_stride;
-                for (int w = 0; w < W; ++w)
-                  s = _mm512_dpwssd_epi32(
-                      s, q[g * W + w],
-                      _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + 32 * w))));
-              }
-              part[reduce_slot(k)] = s;
+      for_each_key_run(d, block_row, num_blocks, len, [&](const int8_t* base, int64_t k0, int64_t n, int64_t p0) {
+        alignas(64) float ks[16];
+        for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * d.slot_stride, head_dim) : 0.f;
+        for (int64_t g = 0; g < d.group; ++g) {
+          __m512i part[16];
+          for (int k = 0; k < 16; ++k) {
+            __m512i s = _mm512_setzero_si512();
+            if (k < n) {
+              const int8_t* key = base + (k0 + k) * d.slot_stride;
+              for (int w = 0; w < W; ++w)
+                s = _mm512_dpwssd_epi32(
+                    s, q[g * W + w],
+                    _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + 32 * w))));
             }
-            const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16i(part)), _mm512_load_ps(ks));
-            _mm512_storeu_ps(&scores[g * d.padded_len + p0], _mm512_mul_ps(sc, _mm512_set1_ps(q_scale[g])));
+            part[reduce_slot(k)] = s;
           }
+          const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16i(part)), _mm512_load_ps(ks));
+          _mm512_storeu_ps(&scores[g * d.padded_len + p0], _mm512_mul_ps(sc, _mm512_set1_ps(q_scale[g])));
         }
-      }
+      });
       // The V rows' scales (this walk also brings the rows of the first blocks in for pass 2).
       for (int64_t j = 0, p = 0; j < num_blocks; ++j) {
         const int8_t* base = block_row(j) + d.v_offset;
