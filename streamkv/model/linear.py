@@ -10,8 +10,10 @@ A decode step's matmuls have one row per sequence, and up to a few dozen rows
 they are bound by the bytes of the weight. There oneDNN streams the weight at
 15-19 GB/s on the 2-core EPYC where ``small_linear`` (``streamkv/ops/csrc/small_linear.cpp``,
 its own packed copy of the weight) streams it at 21-24 GB/s: 1.3-1.6x faster
-at 1-8 rows, and on par with it up to 32 (fp32) or 64 (bf16) rows, slower
-past them (docs/benchmarks.md, "Small-batch linear"). So batches up to
+at 1-8 rows (docs/benchmarks.md, "Small-batch linear"). Past 8 rows it walks
+each weight panel once per 12 rows from L2 while memory streams the next
+panel, which keeps it ahead of oneDNN up to 128 rows and on par at 256
+("The small-batch kernel past 8 rows"). So batches up to
 :data:`SMALL_LINEAR_MAX_ROWS` for their dtype take it and larger ones
 (prefill chunks) take oneDNN; the price is a second copy of every
 projection weight in memory.
@@ -32,9 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The measured crossovers (load_tests/bench_small_linear.py, quiet, 2 threads): bf16 is on par with oneDNN at
-# 64 rows (1.01x) and behind at 128 (0.97x); fp32 is on par at 32 (0.98x) and behind at 64 (0.93x).
-SMALL_LINEAR_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 64}
+# The measured crossovers (load_tests/bench_small_linear.py, 2 threads, 2026-12-02 round 7): with passes of up
+# to 12 rows and the next panel prefetched, the kernel is 1.30x / 1.32x / 1.16x / 1.04x oneDNN at 16 / 32 / 64
+# / 128 rows in fp32 and 1.52x / 1.43x / 1.25x / 1.15x in bf16, on par (1.01x, 1.00x) at 256. Up to 128 rows
+# covers every decode batch of the default max_num_seqs (64), and a row's result never depends on its batch.
+SMALL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
 # int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows and is on
 # par with oneDNN's bf16 matmul at prefill sizes (load_tests/bench_small_linear.py, int8 rows), and one kernel
 # for every row count keeps a row's result independent of the batch it is in.

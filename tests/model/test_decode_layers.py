@@ -17,6 +17,7 @@ import torch
 from streamkv.config import ModelConfig
 from streamkv.llm import LLM
 from streamkv.model.decode_layers import DecodeLayers
+from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS
 from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf, load_model
 from streamkv.sampling_params import SamplingParams
 
@@ -110,11 +111,12 @@ def test_smollm2_bf16_with_int8_weights(smollm2_checkpoint: HFCheckpoint, fast_c
 def test_steps_the_op_cannot_run_keep_the_layer_path(smollm2: LoadedModel, fast_calls: list[int]) -> None:
     require_op(smollm2)
     fast = smollm2.model.model.decode_layers
-    assert fast is not None and fast.max_rows == 16  # fp32: the small-batch kernel's rows
+    assert fast is not None and fast.max_rows == SMALL_LINEAR_MAX_ROWS[torch.float32]  # the small kernel's rows
     llm = LLM(loaded=smollm2, device="cpu", num_blocks=256, kv_cache_dtype="bfloat16", enable_prefix_caching=False)
     llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert not fast_calls  # an fp32 model on a bf16 cache: the op would not write that cache itself
-    llm = LLM(loaded=smollm2, device="cpu", num_blocks=256, enable_prefix_caching=False)
-    llm.generate([[11 + i] * 8 for i in range(17)], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    assert not fast_calls  # 17 decode rows: more than the small-batch kernel takes
+    rows = fast.max_rows + 1
+    llm = LLM(loaded=smollm2, device="cpu", num_blocks=2 * rows, max_num_seqs=rows, enable_prefix_caching=False)
+    llm.generate([[11 + i] * 3 for i in range(rows)], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert not fast_calls  # more decode rows than the small-batch kernel takes
     assert DecodeLayers.build(list(smollm2.model.model.layers), None) is None

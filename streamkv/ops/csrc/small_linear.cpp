@@ -11,8 +11,10 @@
 //
 // so the 16 outputs of a column block are one zmm, each step of k is one 64-byte load per block of a
 // pair used by every row of x, and a thread walks its pairs of blocks front to back as one sequential
-// stream. Rows of x go 8 at a time (8 zmm accumulators per column block, the pair's two blocks at once);
-// past 8 rows the same weights are read again, from L2.
+// stream. Rows of x go up to 12 at a time (24 zmm accumulators: 12 rows x the pair's two blocks), each
+// row count its own instantiation; past 12 rows the pair's weights are walked again, from L2, while the
+// next pair's are prefetched (run()). A row's result is the same whatever the batch it is in: every
+// output is one fp32 sum over k ascending, whichever pass computes it.
 //
 // int8 weights (--quantization int8, one float32 scale per output column; AVX-512 VNNI):
 //
@@ -50,7 +52,8 @@
 namespace {
 
 constexpr int64_t LANES = 16;  // outputs per column block
-constexpr int64_t ROWS = 8;    // rows of x per pass over a column block
+constexpr int64_t ROWS = 8;    // rows of x per pass over a column block (int8 kernel)
+constexpr int FLOAT_ROWS = 12;  // most rows of x per pass for the float kernels (24 accumulators)
 
 int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -82,25 +85,27 @@ inline void store_row(T* dst, __mmask16 mask, __m512 v) {
 
 // The two column blocks of pair `pair` for rows [m0, m0 + rows) of x. A step of k reads two 64-byte
 // lines (block 0's, then block 1's) and consecutive pairs are consecutive in memory: one sequential stream.
-template <typename T>
+template <typename T, int R>
 inline void column_pair(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* packed, const float* bias,
-                        int64_t m0, int64_t rows, int64_t pair, int64_t n, int64_t k_steps) {
-  // k_steps: K for fp32, K/2 (pairs) for bf16.
+                        int64_t m0, int64_t pair, int64_t n, int64_t k_steps, const char* ahead, int64_t ahead_lines) {
+  // R rows of x from m0, a compile-time count (so acc[][] stays in registers with no test per row).
+  // k_steps: K for fp32, K/2 (pairs) for bf16. ahead: the first of ahead_lines 64-byte lines to bring into
+  // the cache during this pass, one a step (the next pair's panel; see run()).
   constexpr int NB = 2;
-  __m512 acc[NB][ROWS];
+  __m512 acc[NB][R];
   for (int c = 0; c < NB; ++c)
-    for (int r = 0; r < ROWS; ++r) acc[c][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
   const char* w = reinterpret_cast<const char*>(packed) + pair * k_steps * NB * 64;
-  const T* xr[ROWS];
-  for (int r = 0; r < ROWS; ++r) xr[r] = x + (m0 + std::min<int64_t>(r, rows - 1)) * x_stride;
+  const T* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * x_stride;
   for (int64_t s = 0; s < k_steps; ++s) {
     const char* p = w + s * NB * 64;
     _mm_prefetch(p + 2048, _MM_HINT_T0);
     _mm_prefetch(p + 2048 + 64, _MM_HINT_T0);
+    if (s < ahead_lines) _mm_prefetch(ahead + s * 64, _MM_HINT_T1);
     __m512 wv[NB];
     for (int c = 0; c < NB; ++c) wv[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(p + c * 64));
-    for (int r = 0; r < ROWS; ++r) {
-      if (r >= rows) break;
+    for (int r = 0; r < R; ++r) {
       __m512 xv;
       if constexpr (std::is_same_v<T, float>) {
         xv = _mm512_set1_ps(xr[r][s]);
@@ -124,11 +129,21 @@ inline void column_pair(const T* x, int64_t x_stride, T* y, int64_t y_stride, co
     if (live <= 0) break;  // the zero block padding N to a multiple of 32
     const __mmask16 mask = first_lanes(live);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int r = 0; r < ROWS; ++r) {  // a constant bound keeps acc[][] in registers
-      if (r >= rows) break;
-      store_row(y + (m0 + r) * y_stride + col, mask, _mm512_add_ps(acc[c][r], b));
-    }
+    for (int r = 0; r < R; ++r) store_row(y + (m0 + r) * y_stride + col, mask, _mm512_add_ps(acc[c][r], b));
   }
+}
+
+// column_pair for 1 <= rows <= FLOAT_ROWS rows, each count its own instantiation.
+template <typename T, int R = FLOAT_ROWS>
+inline void column_pair_rows(int64_t rows, const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* packed,
+                             const float* bias, int64_t m0, int64_t pair, int64_t n, int64_t k_steps,
+                             const char* ahead, int64_t ahead_lines) {
+  if constexpr (R > 1) {
+    if (rows < R)
+      return column_pair_rows<T, R - 1>(rows, x, x_stride, y, y_stride, packed, bias, m0, pair, n, k_steps, ahead,
+                                        ahead_lines);
+  }
+  column_pair<T, R>(x, x_stride, y, y_stride, packed, bias, m0, pair, n, k_steps, ahead, ahead_lines);
 }
 
 template <typename T>
@@ -139,11 +154,26 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
   const T* xp = x.data_ptr<T>();
   T* yp = out.data_ptr<T>();
   const T* wp = packed.data_ptr<T>();
-  // Contiguous ranges of pairs per thread keep each thread's stream sequential.
+  // Contiguous ranges of pairs per thread keep each thread's stream sequential. A pair's panel (k_steps x
+  // 128 bytes) is walked once per pass of up to FLOAT_ROWS rows (the passes as even as they can be: 32 rows
+  // are 11 + 11 + 10, not 12 + 12 + 8). With one pass the stream is bound by memory; with more, the first
+  // would wait on memory and the others compute from L2, so each pass also pulls an equal share of the next
+  // pair's panel into the cache: memory streams the next panel while the FMAs work on this one, and every
+  // pass reads from L2 (docs/benchmarks.md, "The small-batch kernel past 8 rows").
+  const int64_t passes = (m + FLOAT_ROWS - 1) / FLOAT_ROWS;
+  const int64_t rows_per_pass = (m + passes - 1) / passes;
+  const int64_t panel_lines = 2 * k_steps;  // two 64-byte lines a step
+  const int64_t share = passes > 1 ? (panel_lines + passes - 1) / passes : 0;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair)
-      for (int64_t m0 = 0; m0 < m; m0 += ROWS)
-        column_pair<T>(xp, x.stride(0), yp, out.stride(0), wp, bias, m0, std::min(ROWS, m - m0), pair, n, k_steps);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const char* next = reinterpret_cast<const char*>(wp) + (pair + 1) * panel_lines * 64;
+      for (int64_t m0 = 0, pass = 0; m0 < m; m0 += rows_per_pass, ++pass) {
+        const int64_t first = std::min(pass * share, panel_lines);
+        const int64_t lines = pair + 1 < end ? std::min(share, panel_lines - first) : 0;
+        column_pair_rows<T>(std::min(rows_per_pass, m - m0), xp, x.stride(0), yp, out.stride(0), wp, bias, m0, pair,
+                            n, k_steps, next + first * 64, lines);
+      }
+    }
   });
 }
 #endif
