@@ -24,6 +24,7 @@ from streamkv.config import EngineConfig
 from streamkv.errors import EngineError, ErrorCode
 from streamkv.metrics_hooks import MetricsHooks
 from streamkv.model.loader import LoadedModel, default_model_path, load_model
+from streamkv.ops.host_malloc import retain_freed_memory
 from streamkv.output_processor import OutputProcessor
 from streamkv.outputs import RequestSink, TokenLogprob
 from streamkv.runner import (
@@ -58,6 +59,8 @@ class EngineCore:
         self.config = config
         self.metrics = metrics
         self.device = resolve_device(config.model.device)
+        if self.device.type == "cpu":
+            retain_freed_memory()  # a step's activations reuse the last step's pages instead of faulting in new ones
         self.loaded = loaded if loaded is not None else load_model(config.model, self.device)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
