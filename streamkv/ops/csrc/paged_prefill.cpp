@@ -104,6 +104,41 @@ void prefill_generic(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks,
 }
 
 #if defined(__AVX512F__)
+// Scores of R query vectors (from q + m0 * D) against the first KN 16-key chunks of a tile (kt, see
+// load_tile / load_tile_bf16), into s[i][0 .. KN): broadcast FMAs over d, no horizontal sums. DOT: bf16
+// pairs through vdpbf16ps, then times the softmax scale (fp32 queries carry it already). Inlined into
+// each case of the caller's switch, so s stays in registers.
+template <int KN, int C, int R, bool DOT>
+__attribute__((always_inline)) inline void tile_scores(__m512 (&s)[R][KC], const float* __restrict kt,
+                                                       const float* __restrict q, int64_t m0, float scale) {
+  constexpr int64_t D = 16 * C;
+  if constexpr (DOT) {
+#if defined(__AVX512BF16__)
+    const int32_t* qw = reinterpret_cast<const int32_t*>(q);  // D / 2 dwords per vector
+    for (int64_t e = 0; e < D / 2; ++e) {
+      __m512bh kd[KN];
+      for (int kc = 0; kc < KN; ++kc) kd[kc] = (__m512bh)_mm512_loadu_si512(kt + e * KEYS + 16 * kc);
+      for (int i = 0; i < R; ++i) {
+        const __m512bh qe = (__m512bh)_mm512_set1_epi32(qw[(m0 + i) * D + e]);  // vector stride D floats
+        for (int kc = 0; kc < KN; ++kc) s[i][kc] = _mm512_dpbf16_ps(s[i][kc], qe, kd[kc]);
+      }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int i = 0; i < R; ++i)
+      for (int kc = 0; kc < KN; ++kc) s[i][kc] = _mm512_mul_ps(s[i][kc], sc);
+#endif
+  } else {
+    for (int64_t d = 0; d < D; ++d) {
+      __m512 kd[KN];
+      for (int kc = 0; kc < KN; ++kc) kd[kc] = _mm512_loadu_ps(kt + d * KEYS + 16 * kc);
+      for (int i = 0; i < R; ++i) {
+        const __m512 qd = _mm512_set1_ps(q[(m0 + i) * D + d]);
+        for (int kc = 0; kc < KN; ++kc) s[i][kc] = _mm512_fmadd_ps(qd, kd[kc], s[i][kc]);
+      }
+    }
+  }
+}
+
 // The same contract for head_dim == 16 * C; R query vectors per register block. DOT (bf16 query and
 // KV, AVX512-BF16): q.k and p.v as vdpbf16ps on bf16 pairs (two multiply-adds per lane and instruction),
 // p rounded to bf16 as torch's bf16 attention rounds it; the softmax stays fp32.
@@ -159,33 +194,17 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
       }
       for (int64_t m0 = 0; m0 < padded; m0 += R) {
         if (pos[m0 + R - 1] < k0) continue;  // the whole group sits above this tile's diagonal
+        // Keys of this tile that any vector of the group sees: the causal diagonal cuts the tile short for
+        // the first rows of a task, and scores (and P.V pairs) past them would only be masked to zero.
+        const int64_t seen = std::min<int64_t>(n, pos[m0 + R - 1] - k0 + 1);
         __m512 s[R][KC];
         for (int i = 0; i < R; ++i)
           for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_setzero_ps();
-        if constexpr (DOT) {
-#if defined(__AVX512BF16__)
-          const int32_t* qw = reinterpret_cast<const int32_t*>(q);  // D / 2 dwords per vector
-          for (int64_t e = 0; e < D / 2; ++e) {
-            __m512bh kd[KC];
-            for (int kc = 0; kc < KC; ++kc) kd[kc] = (__m512bh)_mm512_loadu_si512(kt + e * KEYS + 16 * kc);
-            for (int i = 0; i < R; ++i) {
-              const __m512bh qe = (__m512bh)_mm512_set1_epi32(qw[(m0 + i) * D + e]);  // vector stride D floats
-              for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_dpbf16_ps(s[i][kc], qe, kd[kc]);
-            }
-          }
-          const __m512 sc = _mm512_set1_ps(scale);
-          for (int i = 0; i < R; ++i)
-            for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_mul_ps(s[i][kc], sc);
-#endif
-        } else {
-          for (int64_t d = 0; d < D; ++d) {
-            __m512 kd[KC];
-            for (int kc = 0; kc < KC; ++kc) kd[kc] = _mm512_loadu_ps(kt + d * KEYS + 16 * kc);
-            for (int i = 0; i < R; ++i) {
-              const __m512 qd = _mm512_set1_ps(q[(m0 + i) * D + d]);
-              for (int kc = 0; kc < KC; ++kc) s[i][kc] = _mm512_fmadd_ps(qd, kd[kc], s[i][kc]);
-            }
-          }
+        switch ((seen + 15) / 16) {
+          case 1: tile_scores<1, C, R, DOT>(s, kt, q, m0, scale); break;
+          case 2: tile_scores<2, C, R, DOT>(s, kt, q, m0, scale); break;
+          case 3: tile_scores<3, C, R, DOT>(s, kt, q, m0, scale); break;
+          default: tile_scores<KC, C, R, DOT>(s, kt, q, m0, scale); break;
         }
         alignas(64) float p[R][KEYS];
         alignas(64) float m_old[16], m_new[16];
@@ -239,7 +258,7 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
         }
         if constexpr (DOT) {
 #if defined(__AVX512BF16__)
-          for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+          for (int64_t jp = 0; jp < (seen + 1) / 2; ++jp) {
             __m512bh v[C];
             for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vb + jp * D + 16 * c);
             for (int i = 0; i < R; ++i) {
@@ -249,7 +268,7 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
           }
 #endif
         } else {
-          for (int64_t j = 0; j < n; ++j) {
+          for (int64_t j = 0; j < seen; ++j) {
             __m512 v[C];
             for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vb + j * D + 16 * c);
             for (int i = 0; i < R; ++i) {
