@@ -135,17 +135,23 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
+        sampling = [i for i, s in enumerate(out.scheduled) if s.samples]
+        # A step with prefill rows uses the last row of each sampling sequence only: the model runs its last
+        # layer past the K/V write on those rows alone. A pure-decode step's rows all sample.
+        output_rows = meta.last_rows(sampling) if len(sampling) < len(input_ids) else None
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.kv_caches,
             meta,
             self.backend,
+            output_rows,
         )
-        rows = [meta.query_start_loc_cpu[i + 1] - 1 for i, s in enumerate(out.scheduled) if s.samples]
-        if not rows:
+        if not sampling:
             return torch.empty(0, 0)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if output_rows is None:
+            hidden = hidden[torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sampling], device=self.device)]
+        return self.model.compute_logits(hidden)
 
     def _apply_copies(self, out: SchedulerOutput) -> None:
         stream = self._copy_stream

@@ -41,3 +41,9 @@ class AttentionBackend(ABC):
             ``[T, num_heads, head_dim]`` in ``query``'s dtype. GQA: query head
             ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
         """
+
+    @abstractmethod
+    def write(self, kv_cache: torch.Tensor, meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write this step's ``key`` / ``value`` ``[T, num_kv_heads, head_dim]`` into ``kv_cache`` at
+        ``meta.slot_mapping``, and nothing else (the first half of :meth:`forward`)."""
+

@@ -125,3 +125,48 @@ class AttentionMetadata:
             seq_lens_cpu=list(seq_lens),
             block_size=block_size,
         )
+
+    def last_rows(self, seqs: list[int]) -> OutputRows:
+        """The last row of each sequence in ``seqs`` (ascending indices into this batch), as :class:`OutputRows`."""
+        rows = [self.query_start_loc_cpu[i + 1] - 1 for i in seqs]
+        if not seqs:
+            return OutputRows(torch.empty(0, dtype=torch.int64, device=self.seq_lens.device), None)
+        device = self.seq_lens.device
+        index = torch.tensor(seqs, dtype=torch.int64, device=device)
+        indices = torch.tensor(rows, dtype=torch.int64, device=device)
+        seq_lens_cpu = [self.seq_lens_cpu[i] for i in seqs]
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int32, device=device),
+            seq_lens=self.seq_lens.index_select(0, index),
+            block_tables=self.block_tables.index_select(0, index),
+            slot_mapping=self.slot_mapping.index_select(0, indices),
+            max_query_len=1,
+            max_seq_len=max(seq_lens_cpu),
+            query_start_loc_cpu=list(range(len(seqs) + 1)),
+            seq_lens_cpu=seq_lens_cpu,
+            block_size=self.block_size,
+        )
+        return OutputRows(indices, meta)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRows:
+    """The rows of a step whose final hidden states are used (the rows that sample), and their decode metadata.
+
+    Only these rows need the last decoder layer past its K/V write: the model
+    runs that layer's attention, o_proj and MLP on them alone (the other rows'
+    outputs would feed nothing), each row attending as one query to its whole
+    context, as a decode row does.
+
+    Attributes:
+        indices: int64 ``[N]`` row indices into the step's flat batch, ascending.
+        meta: the metadata of those ``N`` rows as a pure-decode batch (``None`` when ``N == 0``).
+    """
+
+    indices: torch.Tensor
+    meta: AttentionMetadata | None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.indices.shape[0])
+

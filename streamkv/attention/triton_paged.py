@@ -47,9 +47,7 @@ class TritonPagedAttention(AttentionBackend):
             ValueError: when ``meta.block_size`` disagrees with ``kv_cache``
                 (or the kernels reject the shapes).
         """
-        if kv_cache.shape[2] != meta.block_size:
-            raise ValueError(f"kv_cache block size {kv_cache.shape[2]} != meta.block_size {meta.block_size}")
-        store_kv(key, value, kv_cache, meta.slot_mapping)
+        self.write(kv_cache, meta, key, value)
         if meta.is_pure_decode:
             return paged_decode(
                 query,
@@ -68,3 +66,14 @@ class TritonPagedAttention(AttentionBackend):
             scale,
             max_query_len=meta.max_query_len,
         )
+
+    def write(self, kv_cache: torch.Tensor, meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor) -> None:
+        """See :meth:`AttentionBackend.write` (the Triton store kernel).
+
+        Raises:
+            ValueError: when ``meta.block_size`` disagrees with ``kv_cache``.
+        """
+        if kv_cache.shape[2] != meta.block_size:
+            raise ValueError(f"kv_cache block size {kv_cache.shape[2]} != meta.block_size {meta.block_size}")
+        store_kv(key, value, kv_cache, meta.slot_mapping)
+

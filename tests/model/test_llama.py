@@ -36,8 +36,12 @@ def run_paged(
     schedule: list[list[int]],
     seed: int,
     backend: AttentionBackend | None = None,
+    caches_out: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Feed ``seqs`` through the paged cache step by step, scattered block tables.
+
+    Args:
+        caches_out: when given, receives the KV caches of every layer after the last step.
 
     Returns:
         Per sequence, float32 logits ``[len, vocab]`` of every token it computed.
@@ -82,7 +86,62 @@ def run_paged(
         for i, rows in zip(members, step_logits.split(query_lens), strict=True):
             logits[i].append(rows)
     assert computed == [len(s) for s in seqs]
+    if caches_out is not None:
+        caches_out.extend(kv_caches)
     return [torch.cat(parts) for parts in logits]
+
+
+def run_paged_last_rows(
+    model: LlamaForCausalLM, seqs: list[list[int]], schedule: list[list[int]], seed: int, backend: AttentionBackend
+) -> tuple[dict[tuple[int, int], torch.Tensor], list[torch.Tensor]]:
+    """:func:`run_paged`'s steps as the runner runs them: hidden states of sampling rows only (``output_rows``).
+
+    Every other scheduled sequence of a step samples (the first, the third ...), so steps have rows that do
+    not sample and steps where none does.
+
+    Returns:
+        ``{(sequence, position): float32 logits [vocab]}`` of the sampled rows, and the KV caches at the end.
+    """
+    rng = random.Random(seed)
+    needed = [-(-len(s) // BLOCK_SIZE) for s in seqs]
+    num_blocks = sum(needed) + 3
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    tables = []
+    for n in needed:
+        tables.append(pool[:n])
+        pool = pool[n:]
+    cfg = model.config
+    kv_caches = [
+        torch.full((2, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim), float("nan"))
+        for _ in range(model.num_layers)
+    ]
+    computed = [0] * len(seqs)
+    sampled: dict[tuple[int, int], torch.Tensor] = {}
+    for step_no, step in enumerate(schedule):
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, step_tables, members = [], [], [], []
+        for i, n in enumerate(step):
+            if n == 0:
+                continue
+            ids += seqs[i][computed[i] : computed[i] + n]
+            positions += range(computed[i], computed[i] + n)
+            computed[i] += n
+            query_lens.append(n)
+            seq_lens.append(computed[i])
+            step_tables.append(tables[i])
+            members.append(i)
+        meta = AttentionMetadata.build(query_lens, seq_lens, step_tables, BLOCK_SIZE)
+        sampling = [j for j in range(len(members)) if (j + step_no) % 2 == 0]
+        rows = meta.last_rows(sampling)
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, meta, backend, rows)
+        assert hidden.shape == (len(sampling), cfg.hidden_size)
+        if sampling:
+            for j, row_logits in zip(sampling, model.compute_logits(hidden), strict=True):
+                sampled[(members[j], seq_lens[j] - 1)] = row_logits
+    return sampled, kv_caches
 
 
 def hf_logits(hf_model: Any, ids: list[int]) -> torch.Tensor:
@@ -124,6 +183,34 @@ def tiny(request: pytest.FixtureRequest, tiny_model_dirs: dict[str, str]) -> tup
 def random_seqs(vocab_size: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (15,), generator=gen).tolist() for _ in range(3)]
+
+
+@pytest.mark.parametrize("schedule_name", SCHEDULES)
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_tiny_last_layer_on_the_sampling_rows_alone(
+    tiny: tuple[LoadedModel, Any], schedule_name: str, backend_name: str
+) -> None:
+    # The runner's path for steps with prefill rows: the last layer writes every row's K/V but runs attention,
+    # o_proj and the MLP on the sampling rows only. Their logits must still be transformers', and the KV pool
+    # must hold the same bytes as after the full forward (later steps read every row's K/V).
+    ours, hf_model = tiny
+    if backend_name == "cpu":
+        cpu_paged = pytest.importorskip("streamkv.attention.cpu_paged")
+        if not cpu_paged.cpu_ops_available():
+            pytest.skip("the streamkv C++ CPU ops cannot be built here")
+        backend: AttentionBackend = cpu_paged.CpuPagedAttention()
+    else:
+        backend = TorchPagedAttention()
+    schedule = SCHEDULES[schedule_name]
+    seqs = random_seqs(ours.model.config.vocab_size, seed=2)[: len(schedule[0])]
+    full_caches: list[torch.Tensor] = []
+    run_paged(ours.model, seqs, schedule, seed=5, backend=backend, caches_out=full_caches)
+    sampled, caches = run_paged_last_rows(ours.model, seqs, schedule, seed=5, backend=backend)
+    assert sampled, "no row sampled: the test checks nothing"
+    for (i, pos), got in sampled.items():
+        torch.testing.assert_close(got, hf_logits(hf_model, seqs[i])[pos], atol=ATOL, rtol=0)
+    for layer, (a, b) in enumerate(zip(caches, full_caches, strict=True)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"layer {layer}: the KV pools differ"
 
 
 @pytest.mark.parametrize("schedule_name", SCHEDULES)
