@@ -85,6 +85,13 @@ def test_a_rows_result_is_the_same_in_every_batch(dtype: torch.dtype, n: int, k:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_rows_is_an_empty_result(dtype: torch.dtype) -> None:
+    out = torch.empty(0, 40, dtype=dtype)
+    ops.small_linear(out, torch.empty(0, 32, dtype=dtype), ops.pack_small_linear(torch.randn(40, 32).to(dtype)), None)
+    assert out.shape == (0, 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_strided_rows_of_x_and_out(dtype: torch.dtype) -> None:
     # The attention output reshaped, a slice of a wider buffer: rows with a stride other than K.
     w = torch.randn(40, 32).to(dtype)

@@ -11,7 +11,8 @@ kernels in the same order from C++, so its result is the same to the bit
 "One call per decoder layer".
 
 It takes a step when every condition of that equivalence holds: a pure decode
-step (every sequence has one new token), no more rows than the small-batch
+step (every sequence has one new token) whose rows all sample (the model was
+given no ``OutputRows``), no more rows than the small-batch
 matmul kernel takes (it runs every projection; int8 weights run on that
 kernel at every batch size, so then any batch), the C++ CPU attention backend,
 and a KV cache the op writes itself (the model's dtype, or int8). Anything

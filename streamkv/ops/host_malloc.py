@@ -1,21 +1,33 @@
 """Keep the pages of freed step buffers: glibc's malloc thresholds for a CPU engine.
 
 A CPU step allocates its activations afresh (torch's CPU allocator caches
-nothing): a 4,096-token prefill makes tensors of 1-16 MB per op and layer. glibc
-serves a block above its mmap threshold (128 KiB at first, raised as such
-blocks are freed, up to 32 MiB) with its own ``mmap`` and unmaps it on free,
-and trims the heap top past 128 KiB, so every step touches fresh pages again
-and pays a page fault per 4 KiB. In the 32 x 128-token bf16 prefill those faults
-were ~15% of the step: RoPE's output, written once, took 50 ms against 10 ms
-on reused pages (docs/benchmarks.md, "Freed memory kept for the next step").
+nothing): a 4,096-token prefill makes tensors of 1-16 MB per op and layer.
+glibc starts with an mmap threshold and a trim threshold of 128 KiB (raising
+both as mmapped blocks are freed: the mmap threshold to the freed block's
+size, up to 32 MiB, the trim threshold to twice that): a block above the
+mmap threshold is its own ``mmap``, unmapped on free, and free memory past
+the trim threshold at the heap top goes back to the system, so a step often
+touches fresh pages again and pays a page fault per 4 KiB. In the 32 x
+128-token bf16 prefill those faults were ~15% of the step: RoPE's output,
+written once, took 50 ms against 10 ms on reused pages (docs/benchmarks.md,
+"Freed memory kept for the next step").
 
 :func:`retain_freed_memory` sets the mmap threshold to its largest value
 (blocks up to 32 MiB come from the heap) and the trim threshold to
-``trim_threshold`` bytes (freed memory at the heap top is returned to the
-system only past that), so the pages of one step serve the next. The cost is
-resident memory: at most about ``trim_threshold`` bytes of freed heap stay
-mapped per malloc arena. This is what vLLM's CPU backend gets from preloading
-tcmalloc, without a preload.
+``trim_threshold`` bytes, so the pages of one step serve the next. This is
+what vLLM's CPU backend gets from preloading tcmalloc, without a preload.
+The settings are process-wide (the offline ``LLM`` sets them for its host
+program too). Limits:
+
+- The main arena (the main thread's: the offline ``LLM``) keeps up to about
+  ``trim_threshold`` bytes free at its top, plus any free holes below it
+  (glibc never returns those).
+- Other threads (the server's engine thread) allocate from arenas of 64 MiB
+  heaps that glibc unmaps whenever one is wholly free, whatever the
+  threshold: there the settings keep fewer pages than on the main thread
+  (a synthetic probe of a review, thresholds first pinned at 128 KiB:
+  87,573 faults without them, 1,536 on the main thread and 24,579 on
+  another thread with them).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def require_op(loaded: LoadedModel) -> None:
 
 
 def generate(
-    loaded: LoadedModel, *, fast: bool, kv_cache_dtype: str = "auto"
+    loaded: LoadedModel, *, fast: bool, kv_cache_dtype: str = "auto", prompts: list[list[int]] = PROMPTS
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens of PROMPTS and the logits of every step, with the op in use or not."""
     model = loaded.model
@@ -63,9 +63,9 @@ def generate(
         model.model.decode_layers = None
     try:
         llm = LLM(
-            loaded=loaded, device="cpu", num_blocks=64, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False
+            loaded=loaded, device="cpu", num_blocks=256, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False
         )
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         llm.core.check_invariants()
     finally:
         model.model.decode_layers = saved
@@ -73,15 +73,25 @@ def generate(
     return [o.outputs[0].token_ids for o in outs], logits
 
 
-def check_same(loaded: LoadedModel, fast_calls: list[int], kv_cache_dtype: str = "auto") -> None:
+def check_same(
+    loaded: LoadedModel, fast_calls: list[int], kv_cache_dtype: str = "auto", prompts: list[list[int]] = PROMPTS
+) -> None:
     require_op(loaded)
-    slow_tokens, slow_logits = generate(loaded, fast=False, kv_cache_dtype=kv_cache_dtype)
+    slow_tokens, slow_logits = generate(loaded, fast=False, kv_cache_dtype=kv_cache_dtype, prompts=prompts)
     assert not fast_calls
-    fast_tokens, fast_logits = generate(loaded, fast=True, kv_cache_dtype=kv_cache_dtype)
+    fast_tokens, fast_logits = generate(loaded, fast=True, kv_cache_dtype=kv_cache_dtype, prompts=prompts)
     assert fast_tokens == slow_tokens and all(len(t) == 12 for t in fast_tokens)
     assert len(fast_logits) == len(slow_logits)
     assert all(torch.equal(a, b) for a, b in zip(fast_logits, slow_logits, strict=True))
-    assert len(fast_calls) >= 10 and set(fast_calls) <= {1, 2, 3}  # decode steps took the op, prefill did not
+    # decode steps took the op, prefill did not
+    assert len(fast_calls) >= 10 and set(fast_calls) <= set(range(1, len(prompts) + 1))
+
+
+def test_smollm2_fp32_decodes_40_rows_the_same_on_the_op(smollm2: LoadedModel, fast_calls: list[int]) -> None:
+    # 40 decode rows: the small-batch kernel's passes of 10 rows (four per panel, the next panel prefetched).
+    prompts = [[(13 * i + j) % 900 + 10 for j in range(3 + i % 7)] for i in range(40)]
+    check_same(smollm2, fast_calls, prompts=prompts)
+    assert max(fast_calls) == 40
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])

@@ -83,7 +83,7 @@ inline void store_row(T* dst, __mmask16 mask, __m512 v) {
   }
 }
 
-// The two column blocks of pair `pair` for rows [m0, m0 + rows) of x. A step of k reads two 64-byte
+// The two column blocks of pair `pair` for rows [m0, m0 + R) of x. A step of k reads two 64-byte
 // lines (block 0's, then block 1's) and consecutive pairs are consecutive in memory: one sequential stream.
 template <typename T, int R>
 inline void column_pair(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* packed, const float* bias,
@@ -160,6 +160,7 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
   // would wait on memory and the others compute from L2, so each pass also pulls an equal share of the next
   // pair's panel into the cache: memory streams the next panel while the FMAs work on this one, and every
   // pass reads from L2 (docs/benchmarks.md, "The small-batch kernel past 8 rows").
+  if (m == 0) return;
   const int64_t passes = (m + FLOAT_ROWS - 1) / FLOAT_ROWS;
   const int64_t rows_per_pass = (m + passes - 1) / passes;
   const int64_t panel_lines = 2 * k_steps;  // two 64-byte lines a step
