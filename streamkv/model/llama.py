@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -324,12 +324,10 @@ class LlamaModel(nn.Module):
         if output_rows is None and fast is not None and fast.takes(h.shape[0], meta, backend, kv_caches[0]):
             h, residual = fast.forward(h, cos, sin, kv_caches, meta)  # the same ops, one C++ call a layer
         else:
-            full = len(self.layers) - (output_rows is not None)  # layers that run every row
-            for layer, kv_cache in zip(self.layers[:full], kv_caches[:full], strict=True):
-                h, residual = layer.forward(h, residual, cos, sin, kv_cache, meta, backend)
-            if output_rows is not None:
-                last = cast(DecoderLayer, self.layers[-1])
-                h, residual = last.forward_rows(h, residual, cos, sin, kv_caches[-1], meta, backend, output_rows)
+            last = len(self.layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                rows = output_rows if i == last else None  # only the last layer's outputs are the model's
+                h, residual = layer.forward(h, residual, cos, sin, kv_cache, meta, backend, rows)
         return self.norm.add_forward(h, residual)[0]
 
 
@@ -352,41 +350,24 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        rows: OutputRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, residual)`` of the previous layer (``residual`` None before the first) -> this layer's.
 
         The residual stream after this layer is ``out + residual``; the next
-        norm adds them (in place on ``residual``).
+        norm adds them (in place on ``residual``). With ``rows`` (the last
+        layer, when only those rows are used) every row's K/V is written but
+        attention, o_proj and the MLP run on the ``N`` rows alone: in a 32 x
+        128-token prefill 32 of 4,096 rows sample, and the others fed nothing
+        (3% of the step's FLOPs in SmolLM2's 30 layers).
 
         Returns:
-            ``(mlp output [T, H], residual [T, H])``.
+            ``(mlp output [T, H], residual [T, H])``, or ``[N, H]`` each with ``rows``.
         """
         x, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.self_attn.forward(x, cos, sin, kv_cache, meta, backend)
-        x, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp.forward(x), residual
-
-    def forward_rows(
-        self,
-        h: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        rows: OutputRows,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` for the last layer when only ``rows`` are used: ``[N, H]`` outputs, every row's K/V written.
-
-        In a 32 x 128-token prefill 32 of 4,096 rows sample; the other rows' attention, o_proj and MLP in the
-        last layer fed nothing (3% of the step's FLOPs in SmolLM2's 30 layers).
-        """
-        x, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.self_attn.forward_rows(x, cos, sin, kv_cache, meta, backend, rows)
-        residual = residual.index_select(0, rows.indices)
-        if rows.num_rows == 0:
-            return h, residual
+        h = self.self_attn.forward(x, cos, sin, kv_cache, meta, backend, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows.indices)
         x, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp.forward(x), residual
 
@@ -413,38 +394,14 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        rows: OutputRows | None = None,
     ) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``; writes this step's K/V into ``kv_cache``."""
-        q, k, v = self._qkv(x, cos, sin)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj.forward(out.reshape(x.shape[0], -1))
+        """``x [T, H]`` -> ``[T, H]``; writes this step's K/V into ``kv_cache``.
 
-    def forward_rows(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        rows: OutputRows,
-    ) -> torch.Tensor:
-        """``x [T, H]`` -> ``[N, H]`` for the ``N`` rows of ``rows``; writes all ``T`` rows' K/V into ``kv_cache``.
-
-        Each of the rows attends as a decode query to its whole context (``rows.meta``); the backend's
-        forward writes those rows' K/V a second time, the same bytes to the same slots.
+        With ``rows`` it returns ``[N, H]`` for those rows alone: all ``T`` rows' K/V are written, then each of
+        the ``N`` attends as a decode query to its whole context (``rows.meta``; the backend's forward writes
+        those rows' K/V a second time, the same bytes to the same slots).
         """
-        q, k, v = self._qkv(x, cos, sin)
-        backend.write(kv_cache, meta, k, v)
-        if rows.meta is None:
-            return x.new_empty(0, x.shape[1])
-        idx = rows.indices
-        out = backend.forward(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx), kv_cache,
-                              rows.meta, self.scale)  # fmt: skip
-        return self.o_proj.forward(out.reshape(rows.num_rows, -1))
-
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``x [T, H]`` -> ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` (views of one buffer), RoPE applied to q and k."""
         num_tokens = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # [T, (Hq + 2 Hkv) D]
@@ -454,8 +411,16 @@ class Attention(nn.Module):
             self.fused.rope(qk, qk_in, cos, sin)
         else:
             qk = apply_rope(qk_in, cos, sin)
+        q, k = qk[:, :hq], qk[:, hq:]
         v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)
-        return qk[:, :hq], qk[:, hq:], v
+        if rows is not None:
+            backend.write(kv_cache, meta, k, v)
+            if rows.meta is None:  # no row samples: the K/V write was all this layer had to do
+                return x.new_empty(0, x.shape[1])
+            q, k, v = (t.index_select(0, rows.indices) for t in (q, k, v))
+            meta = rows.meta
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T or N, Hq, D]
+        return self.o_proj.forward(out.reshape(q.shape[0], hq * d))
 
 
 # A prefill step of 4,096 rows makes a [4096, 2 I] gate_up output (50 MB in fp32 for SmolLM2) that leaves the

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,6 +32,54 @@ SCHEDULES = {
 }
 
 
+def scattered_pool(
+    model: LlamaForCausalLM, seqs: list[list[int]], seed: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Block tables of ``seqs`` drawn from a shuffled pool, and one KV cache per layer with NaN in every slot.
+
+    Reading a slot not yet written poisons the logits.
+    """
+    rng = random.Random(seed)
+    needed = [-(-len(s) // BLOCK_SIZE) for s in seqs]
+    num_blocks = sum(needed) + 3
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    tables = []
+    for n in needed:
+        tables.append(pool[:n])
+        pool = pool[n:]
+    cfg = model.config
+    kv_caches = [
+        torch.full((2, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim), float("nan"))
+        for _ in range(model.num_layers)
+    ]
+    return tables, kv_caches
+
+
+def paged_steps(
+    seqs: list[list[int]], schedule: list[list[int]], tables: list[list[int]]
+) -> Iterator[tuple[list[int], list[int], AttentionMetadata, list[int]]]:
+    """Per step of ``schedule``: ``(token ids, positions, metadata, indices of the scheduled sequences)``."""
+    computed = [0] * len(seqs)
+    for step in schedule:
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, step_tables, members = [], [], [], []
+        for i, n in enumerate(step):
+            if n == 0:
+                continue
+            start = computed[i]
+            ids += seqs[i][start : start + n]
+            positions += range(start, start + n)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            step_tables.append(tables[i])
+            members.append(i)
+            computed[i] += n
+        yield ids, positions, AttentionMetadata.build(query_lens, seq_lens, step_tables, BLOCK_SIZE), members
+    assert computed == [len(s) for s in seqs]
+
+
 def run_paged(
     model: LlamaForCausalLM,
     seqs: list[list[int]],
@@ -46,46 +96,16 @@ def run_paged(
     Returns:
         Per sequence, float32 logits ``[len, vocab]`` of every token it computed.
     """
-    rng = random.Random(seed)
-    needed = [-(-len(s) // BLOCK_SIZE) for s in seqs]
-    num_blocks = sum(needed) + 3
-    pool = list(range(num_blocks))
-    rng.shuffle(pool)
-    tables = []
-    for n in needed:
-        tables.append(pool[:n])
-        pool = pool[n:]
-    cfg = model.config
-    # NaN in every slot not yet written: reading one poisons the logits.
-    kv_caches = [
-        torch.full((2, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim), float("nan"))
-        for _ in range(model.num_layers)
-    ]
+    tables, kv_caches = scattered_pool(model, seqs, seed)
     backend = backend or TorchPagedAttention()
-    computed = [0] * len(seqs)
     logits: list[list[torch.Tensor]] = [[] for _ in seqs]
-    for step in schedule:
-        ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, step_tables, members = [], [], [], []
-        for i, n in enumerate(step):
-            if n == 0:
-                continue
-            start = computed[i]
-            ids += seqs[i][start : start + n]
-            positions += range(start, start + n)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            step_tables.append(tables[i])
-            members.append(i)
-            computed[i] += n
-        meta = AttentionMetadata.build(query_lens, seq_lens, step_tables, BLOCK_SIZE)
+    for ids, positions, meta, members in paged_steps(seqs, schedule, tables):
         with torch.inference_mode():
             hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, meta, backend)
             step_logits = model.compute_logits(hidden)
+        query_lens = [b - a for a, b in itertools.pairwise(meta.query_start_loc_cpu)]
         for i, rows in zip(members, step_logits.split(query_lens), strict=True):
             logits[i].append(rows)
-    assert computed == [len(s) for s in seqs]
     if caches_out is not None:
         caches_out.extend(kv_caches)
     return [torch.cat(parts) for parts in logits]
@@ -102,45 +122,17 @@ def run_paged_last_rows(
     Returns:
         ``{(sequence, position): float32 logits [vocab]}`` of the sampled rows, and the KV caches at the end.
     """
-    rng = random.Random(seed)
-    needed = [-(-len(s) // BLOCK_SIZE) for s in seqs]
-    num_blocks = sum(needed) + 3
-    pool = list(range(num_blocks))
-    rng.shuffle(pool)
-    tables = []
-    for n in needed:
-        tables.append(pool[:n])
-        pool = pool[n:]
-    cfg = model.config
-    kv_caches = [
-        torch.full((2, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim), float("nan"))
-        for _ in range(model.num_layers)
-    ]
-    computed = [0] * len(seqs)
+    tables, kv_caches = scattered_pool(model, seqs, seed)
     sampled: dict[tuple[int, int], torch.Tensor] = {}
-    for step_no, step in enumerate(schedule):
-        ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, step_tables, members = [], [], [], []
-        for i, n in enumerate(step):
-            if n == 0:
-                continue
-            ids += seqs[i][computed[i] : computed[i] + n]
-            positions += range(computed[i], computed[i] + n)
-            computed[i] += n
-            query_lens.append(n)
-            seq_lens.append(computed[i])
-            step_tables.append(tables[i])
-            members.append(i)
-        meta = AttentionMetadata.build(query_lens, seq_lens, step_tables, BLOCK_SIZE)
+    for step_no, (ids, positions, meta, members) in enumerate(paged_steps(seqs, schedule, tables)):
         sampling = [j for j in range(len(members)) if (j + step_no) % 2 == 0]
         rows = meta.last_rows(sampling)
         with torch.inference_mode():
             hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, meta, backend, rows)
-        assert hidden.shape == (len(sampling), cfg.hidden_size)
+        assert hidden.shape == (len(sampling), model.config.hidden_size)
         if sampling:
             for j, row_logits in zip(sampling, model.compute_logits(hidden), strict=True):
-                sampled[(members[j], seq_lens[j] - 1)] = row_logits
+                sampled[(members[j], meta.seq_lens_cpu[j] - 1)] = row_logits
     return sampled, kv_caches
 
 
