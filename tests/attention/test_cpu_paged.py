@@ -149,6 +149,20 @@ def test_decode_rows_every_dtype_and_block_size(name: str, dtype: torch.dtype, t
 
 
 @pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (4, 2), (9, 3), (8, 2), (10, 2), (8, 1)])
+def test_decode_every_query_group_size(
+    name: str, dtype: torch.dtype, tol: float, head_dim: int, num_heads: int, num_kv_heads: int
+) -> None:
+    # The decode kernels take the group size G as a constant where G * head_dim / 16 <= 16 (G 1-4 at 64, 1-2 at
+    # 128) and read it at run time otherwise (5 and 8 here); each thread asks for the rows of its next tasks
+    # while it works, across sequences of every length.
+    seq_lens = [1, 17, 200, 5, 64, 33, 130, 2]
+    shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    compare_step(name, dtype, tol, [1] * len(seq_lens), seq_lens, seed=num_heads, **shape)
+
+
+@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])  # GQA G = 3 and G = 1
 @pytest.mark.parametrize("head_dim", [64, 12])  # the AVX-512 kernel and the portable one
 def test_chunks_over_cached_context_match_the_torch_path(

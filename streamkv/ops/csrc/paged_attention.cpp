@@ -149,17 +149,6 @@ inline __m512i reduce16i(__m512i v[16]) {
   }));
 }
 
-// Asks for the rows of one KV head in one block (its K or V half) ahead of their use, into L2: a block's rows
-// of one head are strided by the other heads' rows, and the next block sits anywhere in the pool, which the
-// hardware prefetcher cannot guess. Two blocks ahead, into L2, was measured best (docs/benchmarks.md, "Decode
-// attention prefetch"). A block past the sequence's last token is prefetched whole: harmless, it is in the pool.
-template <typename kv_t>
-inline void prefetch_block(const kv_t* first_row, int64_t rows, int64_t slot_stride, int64_t row_bytes) {
-  const char* p = reinterpret_cast<const char*>(first_row);
-  for (int64_t j = 0; j < rows; ++j, p += slot_stride * sizeof(kv_t))
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
-}
-
 // The lanes of scores [p, p + 16) that hold one of a sequence's len tokens.
 inline __mmask16 live_lanes(int64_t len, int64_t p) {
   return len - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - p)) - 1);
@@ -175,43 +164,17 @@ inline float masked_max(const float* s, int64_t len) {
   return _mm512_reduce_max_ps(m16);
 }
 
-// Pass 1's walk over one KV head's keys: block by block in table order, the rows of the block two ahead
-// prefetched, in runs of up to 16 keys of one block. body(base, k0, n, p0) gets the block's row at slot 0, the
-// run's first slot in it, the run's length and its first key's position; scores past p0 + n are scratch,
-// overwritten by the next run or never read.
+// Pass 1's walk over one KV head's keys: block by block in table order, in runs of up to 16 keys of one block.
+// body(base, k0, n, p0) gets the block's row at slot 0, the run's first slot in it, the run's length and its
+// first key's position; scores past p0 + n are scratch, overwritten by the next run or never read.
 template <typename View, typename BlockRow, typename Body>
 inline void for_each_key_run(const View& d, BlockRow block_row, int64_t num_blocks, int64_t len, Body&& body) {
-  if (num_blocks > 1) prefetch_block(block_row(1), d.block_size, d.slot_stride, d.row_bytes);
   for (int64_t j = 0; j < num_blocks; ++j) {
-    if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), d.block_size, d.slot_stride, d.row_bytes);
     const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
     for (int64_t k0 = 0; k0 < block_len; k0 += 16)
       body(block_row(j), k0, std::min<int64_t>(16, block_len - k0), j * d.block_size + k0);
   }
 }
-
-// The V rows of one KV head two tokens at a time, in the order of the block table: rows(v0, v1) gives tokens p
-// and p + 1 (v1 nullptr past the last token) and prefetches two blocks ahead, as pass 1 does.
-template <typename kv_t, typename BlockRow>
-struct TokenPairs {
-  BlockRow block_row;  // logical block j -> its row of this head at slot 0, V half
-  int64_t block_size, slot_stride, row_bytes, num_blocks, len;
-  int64_t j = 0, off = 0;  // the next token sits at offset off of logical block j
-
-  void start() {
-    if (2 < num_blocks) prefetch_block(block_row(2), block_size, slot_stride, row_bytes);
-  }
-  const kv_t* next(int64_t p) {
-    if (p >= len) return nullptr;
-    const kv_t* row = block_row(j) + off * slot_stride;
-    if (++off == block_size) {
-      off = 0;
-      ++j;
-      if (j + 2 < num_blocks) prefetch_block(block_row(j + 2), block_size, slot_stride, row_bytes);
-    }
-    return row;
-  }
-};
 
 // Pass 2's accumulators back in head-dim order: lane 4L + i of vector 2w holds head dim 32w + 8L + i, of vector
 // 2w + 1 dim 32w + 8L + 4 + i (i < 4), as vpunpck[lh]wd of two rows leaves them.
@@ -222,6 +185,24 @@ inline void store_deinterleaved(q_t* dst, const float* tmp) {
       for (int lane = 0; lane < 16; ++lane)
         dst[32 * w + 8 * (lane / 4) + 4 * half + lane % 4] = static_cast<q_t>(tmp[16 * (2 * w + half) + lane]);
 }
+
+// A task's vectors of its G query heads: an array when the group size G is a template constant (the loops over
+// the group unroll and the compiler keeps the vectors in registers), a heap array when G == 0 (any group, the
+// loops' bound read at run time). With the group a run-time bound, pass 2 stored and reloaded every accumulator
+// at each token: fp32 B=64 steps 10.3 -> 8.4 ms with one layer in cache (docs/benchmarks.md, "Decode attention:
+// one row ahead at a time").
+template <typename T, int N>
+struct HeadVectors {
+  explicit HeadVectors(int64_t) {}
+  T& operator[](int64_t i) { return v[i]; }
+  T v[N];
+};
+template <typename T>
+struct HeadVectors<T, 0> {
+  explicit HeadVectors(int64_t n) : v(n) {}
+  T& operator[](int64_t i) { return v[i]; }
+  std::vector<T> v;
+};
 
 // The sizes, strides and pointers the AVX-512 decode kernels read from their arguments, and the scores'
 // per-head stride (max_len rounded up to 16, plus 16 lanes of scratch).
@@ -250,11 +231,88 @@ struct DecodeView {
   }
 };
 
+// Asks for one K or V row (its cache lines) ahead of its use. On AMD's cores every prefetch hint fills L1 and
+// L2 alike.
+template <typename kv_t>
+inline void prefetch_row(const kv_t* row, int64_t row_bytes) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+// How many rows ahead of its use a row is asked for (two blocks of 16; 16 and 48 were slower on fp32 B=64 steps).
+constexpr int64_t kRowsAhead = 32;
+
+// The rows a thread's tasks read, in the order they read them (task t's K rows in table order, then its V rows,
+// then task t + 1's), each asked for kRowsAhead rows before its use: step() asks for the row at the cursor and
+// moves the cursor on by one, and a kernel calls it once for each row it takes. A head's rows are strided by the
+// other heads' rows and the next block sits anywhere in the pool, so the hardware prefetcher cannot follow them;
+// asking for whole blocks at block boundaries (64 lines of fp32 at once, as this kernel did) filled the core's
+// miss buffers and stalled the compute behind them, and left the first rows of every pass and task unasked.
+// One row a step keeps the misses in flight level (docs/benchmarks.md, "Decode attention: one row ahead at a time").
+template <typename View>
+struct RowsAhead {
+  const View& d;
+  int64_t task, end;  // the cursor's task, and the end of the thread's tasks
+  int64_t half = 0, block = 0, slot = 0, pos = 0, len = 0, head = 0;
+  const int32_t* table = nullptr;
+
+  RowsAhead(const View& view, int64_t begin, int64_t stop) : d(view), task(begin), end(stop) {
+    enter();
+    for (int64_t i = 0; i < kRowsAhead; ++i) step();
+  }
+  void enter() {  // the cursor's task from its first row; tasks without rows are skipped
+    for (; task < end; ++task) {
+      const int64_t b = task / d.num_kv_heads;
+      head = task % d.num_kv_heads;
+      len = d.len_ptr[b];
+      table = d.bt_ptr + b * d.bt_stride;
+      if (len > 0) return;
+    }
+  }
+  void step() {
+    if (task >= end) return;
+    prefetch_row(d.kv_ptr + half * d.v_offset + table[block] * d.block_stride + slot * d.slot_stride + head * d.row,
+                 d.row_bytes);
+    if (++pos == len) {
+      pos = block = slot = 0;
+      if (++half == 2) {
+        half = 0;
+        ++task;
+        enter();
+      }
+    } else if (++slot == d.block_size) {
+      slot = 0;
+      ++block;
+    }
+  }
+};
+
+// The V rows of one KV head two tokens at a time, in the order of the block table: next(p) gives token p's row
+// (nullptr past the last token), a step of the thread's RowsAhead for each row it gives.
+template <typename kv_t, typename BlockRow, typename Ahead>
+struct TokenPairs {
+  BlockRow block_row;  // logical block j -> its row of this head at slot 0, V half
+  Ahead& ahead;
+  int64_t block_size, slot_stride, len;
+  int64_t j = 0, off = 0;  // the next token sits at offset off of logical block j
+
+  const kv_t* next(int64_t p) {
+    if (p >= len) return nullptr;
+    ahead.step();
+    const kv_t* row = block_row(j) + off * slot_stride;
+    if (++off == block_size) {
+      off = 0;
+      ++j;
+    }
+    return row;
+  }
+};
+
 // The same contract as decode_generic, for head_dim == 16 * C: a task's queries and its
 // accumulators sit in zmm-sized chunks, each K/V row is C loads, exp is vectorised.
 // Pass 1 takes up to 16 keys of one block at a time and sums their dot products with one reduce16;
 // both passes prefetch the next block's rows of their head while they work on this one.
-template <int C, typename q_t, typename kv_t>
+template <int C, int G, typename q_t, typename kv_t>
 void decode_avx512(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
@@ -263,9 +321,11 @@ void decode_avx512(
 
   at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
-    std::vector<__m512> q(d.group * C), acc(d.group * C);
-    std::vector<float> scores(d.group * d.padded_len);
-    std::vector<float> inv_sum(d.group);
+    RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
+    const int64_t group = G > 0 ? G : d.group;
+    HeadVectors<__m512, G * C> q(group * C), acc(group * C);
+    HeadVectors<float, G> inv_sum(group);
+    std::vector<float> scores(group * d.padded_len);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / d.num_kv_heads, h = task % d.num_kv_heads;
       const int64_t len = d.len_ptr[b];
@@ -273,7 +333,7 @@ void decode_avx512(
       const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
       // Row of this head at slot 0 of logical block j (K half; add v_offset for V).
       auto block_row = [&](int64_t j) { return d.kv_ptr + table[j] * d.block_stride + h * d.row; };
-      for (int64_t g = 0; g < d.group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         const q_t* src = d.q_ptr + b * d.q_stride_s + (h * d.group + g) * d.q_stride_h;
         alignas(64) float tmp[head_dim];
         for (int64_t i = 0; i < head_dim; ++i) tmp[i] = static_cast<float>(src[i]) * static_cast<float>(scale);
@@ -284,7 +344,7 @@ void decode_avx512(
       for_each_key_run(d, block_row, num_blocks, len, [&](const kv_t* base, int64_t k0, int64_t n, int64_t p0) {
         alignas(64) float ks[16];
         for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * d.slot_stride, head_dim) : 0.f;
-        for (int64_t g = 0; g < d.group; ++g) {
+        for (int64_t g = 0; g < group; ++g) {
           __m512 part[16];
           for (int k = 0; k < 16; ++k) {
             if (k >= n) {
@@ -292,6 +352,7 @@ void decode_avx512(
               continue;
             }
             const kv_t* key = base + (k0 + k) * d.slot_stride;
+            if (g == 0) ahead.step();
             __m512 s = _mm512_mul_ps(q[g * C], load16(key));
             for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[g * C + c], load16(key + 16 * c), s);
             part[reduce_slot(k)] = s;
@@ -301,10 +362,8 @@ void decode_avx512(
           _mm512_storeu_ps(&scores[g * d.padded_len + p0], sc);
         }
       });
-      prefetch_block(block_row(0) + d.v_offset, std::min(d.block_size, len), d.slot_stride, d.row_bytes);
-      if (num_blocks > 1) prefetch_block(block_row(1) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
       // Softmax per query head; lanes past len are masked out of max, exp and sum.
-      for (int64_t g = 0; g < d.group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         float* s = &scores[g * d.padded_len];
         const __m512 m = _mm512_set1_ps(masked_max(s, len));
         __m512 sum16 = _mm512_setzero_ps();
@@ -319,21 +378,21 @@ void decode_avx512(
       // Pass 2: acc_g += softmax_gp * v_p, block by block.
       for (int64_t j = 0; j < num_blocks; ++j) {
         const kv_t* base = block_row(j) + d.v_offset;
-        if (j + 2 < num_blocks) prefetch_block(block_row(j + 2) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
         const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
         for (int64_t k = 0; k < block_len; ++k) {
           const kv_t* v = base + k * d.slot_stride;
+          ahead.step();
           const int64_t p = j * d.block_size + k;
           const float vs = row_scale(v, head_dim);
           __m512 vr[C];
           for (int c = 0; c < C; ++c) vr[c] = load16(v + 16 * c);
-          for (int64_t g = 0; g < d.group; ++g) {
+          for (int64_t g = 0; g < group; ++g) {
             const __m512 w = _mm512_set1_ps(scores[g * d.padded_len + p] * vs);
             for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_fmadd_ps(w, vr[c], acc[g * C + c]);
           }
         }
       }
-      for (int64_t g = 0; g < d.group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         alignas(64) float tmp[head_dim];
         const __m512 inv = _mm512_set1_ps(inv_sum[g]);
         for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g * C + c], inv));
@@ -355,7 +414,7 @@ void decode_avx512(
 //   once per task. An odd last token pairs with zeros, never with a row it must not read.
 // Measured against decode_avx512 on this engine's bf16 decode steps: docs/benchmarks.md, "bf16 decode attention and
 // greedy argmax".
-template <int C>
+template <int C, int G>
 void decode_avx512_bf16(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
@@ -367,25 +426,27 @@ void decode_avx512_bf16(
 
   at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
-    std::vector<__m512i> q(d.group * W);
-    std::vector<__m512> acc(d.group * C);
-    std::vector<float> scores(d.group * d.padded_len);
-    std::vector<int32_t> weights(d.group * (d.padded_len / 2));  // bf16 weight pairs of tokens (2i, 2i + 1)
-    std::vector<float> inv_sum(d.group);
+    RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
+    const int64_t group = G > 0 ? G : d.group;
+    HeadVectors<__m512i, G * W> q(group * W);
+    HeadVectors<__m512, G * C> acc(group * C);
+    HeadVectors<float, G> inv_sum(group);
+    std::vector<float> scores(group * d.padded_len);
+    std::vector<int32_t> weights(group * (d.padded_len / 2));  // bf16 weight pairs of tokens (2i, 2i + 1)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / d.num_kv_heads, h = task % d.num_kv_heads;
       const int64_t len = d.len_ptr[b];
       const int32_t* table = d.bt_ptr + b * d.bt_stride;
       const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
       auto block_row = [&](int64_t j) { return d.kv_ptr + table[j] * d.block_stride + h * d.row; };
-      for (int64_t g = 0; g < d.group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         const bf16* src = d.q_ptr + b * d.q_stride_s + (h * d.group + g) * d.q_stride_h;
         for (int w = 0; w < W; ++w) q[g * W + w] = _mm512_loadu_si512(src + 32 * w);
         for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
       }
       // Pass 1: scores[g, p] = (q_g . k_p) * scale, up to 16 keys of a block at a time.
       for_each_key_run(d, block_row, num_blocks, len, [&](const bf16* base, int64_t k0, int64_t n, int64_t p0) {
-        for (int64_t g = 0; g < d.group; ++g) {
+        for (int64_t g = 0; g < group; ++g) {
           __m512 part[16];
           for (int k = 0; k < 16; ++k) {
             if (k >= n) {
@@ -393,6 +454,7 @@ void decode_avx512_bf16(
               continue;
             }
             const bf16* key = base + (k0 + k) * d.slot_stride;
+            if (g == 0) ahead.step();
             __m512 s = _mm512_setzero_ps();
             for (int w = 0; w < W; ++w)
               s = _mm512_dpbf16_ps(s, (__m512bh)q[g * W + w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
@@ -401,10 +463,8 @@ void decode_avx512_bf16(
           _mm512_storeu_ps(&scores[g * d.padded_len + p0], _mm512_mul_ps(reduce16(part), scale16));
         }
       });
-      prefetch_block(block_row(0) + d.v_offset, std::min(d.block_size, len), d.slot_stride, d.row_bytes);
-      if (num_blocks > 1) prefetch_block(block_row(1) + d.v_offset, d.block_size, d.slot_stride, d.row_bytes);
       // Softmax per query head in fp32; the weights rounded to bf16, padded with a zero weight to an even count.
-      for (int64_t g = 0; g < d.group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         float* s = &scores[g * d.padded_len];
         const __m512 m = _mm512_set1_ps(masked_max(s, len));
         __m512 sum16 = _mm512_setzero_ps();
@@ -420,8 +480,7 @@ void decode_avx512_bf16(
       }
       // Pass 2: acc_g += w_g,p v_p + w_g,p+1 v_p+1 over token pairs, the next blocks prefetched as pass 1 does.
       auto v_row = [&](int64_t jj) { return block_row(jj) + d.v_offset; };
-      TokenPairs<bf16, decltype(v_row)> pairs{v_row, d.block_size, d.slot_stride, d.row_bytes, num_blocks, len};
-      pairs.start();
+      TokenPairs<bf16, decltype(v_row), decltype(ahead)> pairs{v_row, ahead, d.block_size, d.slot_stride, len};
       for (int64_t p = 0; p < len; p += 2) {
         const bf16* v0 = pairs.next(p);
         const bf16* v1 = pairs.next(p + 1);
@@ -432,12 +491,12 @@ void decode_avx512_bf16(
           vi[2 * w] = _mm512_unpacklo_epi16(a, c);
           vi[2 * w + 1] = _mm512_unpackhi_epi16(a, c);
         }
-        for (int64_t g = 0; g < d.group; ++g) {
+        for (int64_t g = 0; g < group; ++g) {
           const __m512bh wp = (__m512bh)_mm512_set1_epi32(weights[g * (d.padded_len / 2) + p / 2]);
           for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_dpbf16_ps(acc[g * C + c], wp, (__m512bh)vi[c]);
         }
       }
-      for (int64_t g = 0; g < d.group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         alignas(64) float tmp[head_dim];
         const __m512 inv = _mm512_set1_ps(inv_sum[g]);
         for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g * C + c], inv));
@@ -463,7 +522,7 @@ void decode_avx512_bf16(
 //   decode_avx512_bf16 pairs them; each run's int32 sums go to fp32 times the run's scale. The sum of the
 //   softmax is taken of the unquantized fp32 weights. A NaN u makes its run's scale NaN, so NaN V rows stay NaN.
 // Measured against the bf16 kernel: docs/benchmarks.md, "int8 KV: the write and the decode kernel in C++".
-template <int C, typename q_t>
+template <int C, int G, typename q_t>
 void decode_avx512_int8(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
@@ -473,19 +532,22 @@ void decode_avx512_int8(
 
   at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
-    std::vector<__m512i> q(d.group * W), acc(d.group * C);
-    std::vector<__m512> acc_f(d.group * C);
-    std::vector<float> q_scale(d.group), inv_sum(d.group);
-    std::vector<float> scores(d.group * d.padded_len), v_scale(d.padded_len);
-    std::vector<int16_t> weights(d.group * d.padded_len);  // int16 u_p; pairs (2i, 2i + 1) read as one int32
-    std::vector<float> run_scale(d.group * (d.padded_len / 16));  // the int16 step of u in each 16-token run
+    RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
+    const int64_t group = G > 0 ? G : d.group;
+    HeadVectors<__m512i, G * W> q(group * W);
+    HeadVectors<__m512i, G * C> acc(group * C);
+    HeadVectors<__m512, G * C> acc_f(group * C);
+    HeadVectors<float, G> q_scale(group), inv_sum(group);
+    std::vector<float> scores(group * d.padded_len), v_scale(d.padded_len);
+    std::vector<int16_t> weights(group * d.padded_len);  // int16 u_p; pairs (2i, 2i + 1) read as one int32
+    std::vector<float> run_scale(group * (d.padded_len / 16));  // the int16 step of u in each 16-token run
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / d.num_kv_heads, h = task % d.num_kv_heads;
       const int64_t len = d.len_ptr[b];
       const int32_t* table = d.bt_ptr + b * d.bt_stride;
       const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
       auto block_row = [&](int64_t j) { return d.kv_ptr + table[j] * d.block_stride + h * d.row; };
-      for (int64_t g = 0; g < d.group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         const q_t* src = d.q_ptr + b * d.q_stride_s + (h * d.group + g) * d.q_stride_h;
         alignas(64) float tmp[head_dim];
         float absmax = 0.f;
@@ -510,12 +572,13 @@ void decode_avx512_int8(
       for_each_key_run(d, block_row, num_blocks, len, [&](const int8_t* base, int64_t k0, int64_t n, int64_t p0) {
         alignas(64) float ks[16];
         for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * d.slot_stride, head_dim) : 0.f;
-        for (int64_t g = 0; g < d.group; ++g) {
+        for (int64_t g = 0; g < group; ++g) {
           __m512i part[16];
           for (int k = 0; k < 16; ++k) {
             __m512i s = _mm512_setzero_si512();
             if (k < n) {
               const int8_t* key = base + (k0 + k) * d.slot_stride;
+              if (g == 0) ahead.step();
               for (int w = 0; w < W; ++w)
                 s = _mm512_dpwssd_epi32(
                     s, q[g * W + w],
@@ -533,7 +596,7 @@ void decode_avx512_int8(
         for (int64_t k = 0; k < d.block_size && p < len; ++k, ++p) v_scale[p] = row_scale(base + k * d.slot_stride, head_dim);
       }
       // Softmax per query head in fp32; u_p = weight * V scale, quantized to int16 against the head's largest u.
-      for (int64_t g = 0; g < d.group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         float* s = &scores[g * d.padded_len];
         const __m512 m = _mm512_set1_ps(masked_max(s, len));
         __m512 sum16 = _mm512_setzero_ps();
@@ -553,8 +616,7 @@ void decode_avx512_int8(
       }
       // Pass 2: acc_g += u_g,p v_p + u_g,p+1 v_p+1 over token pairs, the next blocks prefetched as pass 1 does.
       auto v_row = [&](int64_t jj) { return block_row(jj) + d.v_offset; };
-      TokenPairs<int8_t, decltype(v_row)> pairs{v_row, d.block_size, d.slot_stride, d.row_bytes, num_blocks, len};
-      pairs.start();
+      TokenPairs<int8_t, decltype(v_row), decltype(ahead)> pairs{v_row, ahead, d.block_size, d.slot_stride, len};
       for (int64_t p = 0; p < len; p += 2) {
         const int8_t* v0 = pairs.next(p);
         const int8_t* v1 = pairs.next(p + 1);
@@ -567,14 +629,14 @@ void decode_avx512_int8(
           vi[2 * w] = _mm512_unpacklo_epi16(a, c);
           vi[2 * w + 1] = _mm512_unpackhi_epi16(a, c);
         }
-        for (int64_t g = 0; g < d.group; ++g) {
+        for (int64_t g = 0; g < group; ++g) {
           int32_t pair;
           std::memcpy(&pair, &weights[g * d.padded_len + p], sizeof(pair));
           const __m512i wp = _mm512_set1_epi32(pair);
           for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_dpwssd_epi32(acc[g * C + c], wp, vi[c]);
         }
         if ((p + 2) % 16 == 0 || p + 2 >= len)  // the end of a 16-token run: its sums to fp32, times its scale
-          for (int64_t g = 0; g < d.group; ++g) {
+          for (int64_t g = 0; g < group; ++g) {
             const __m512 step = _mm512_set1_ps(run_scale[g * (d.padded_len / 16) + p / 16]);
             for (int c = 0; c < C; ++c) {
               acc_f[g * C + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g * C + c]), step, acc_f[g * C + c]);
@@ -582,7 +644,7 @@ void decode_avx512_int8(
             }
           }
       }
-      for (int64_t g = 0; g < d.group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         alignas(64) float tmp[head_dim];
         const __m512 inv = _mm512_set1_ps(inv_sum[g]);
         for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc_f[g * C + c], inv));
@@ -595,16 +657,31 @@ void decode_avx512_int8(
 #endif
 #endif
 
+// Calls body.template operator()<G>() with the query-head group as a constant G when its accumulators fit the
+// registers (G * C <= 16 vectors: groups 1-4 at head_dim 64, 1-2 at 128), with G = 0 (any group) otherwise.
+template <int C, typename Body>
+void dispatch_group(int64_t group, Body&& body) {
+  if constexpr (C <= 16) if (group == 1) return body.template operator()<1>();
+  if constexpr (2 * C <= 16) if (group == 2) return body.template operator()<2>();
+  if constexpr (3 * C <= 16) if (group == 3) return body.template operator()<3>();
+  if constexpr (4 * C <= 16) if (group == 4) return body.template operator()<4>();
+  body.template operator()<0>();
+}
+
 // Picks the vectorised kernel for the common head dims, the portable one otherwise.
 template <typename q_t, typename kv_t>
 void decode_kernel(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  [[maybe_unused]] const int64_t group = query.size(1) / kv_cache.size(3);
+#define STREAMKV_GROUPED(C, kernel, ...)                                                                         \
+  return dispatch_group<C>(group, [&]<int G>() { kernel<C, G, ##__VA_ARGS__>(out, query, kv_cache, block_tables, \
+                                                                             seq_lens, scale); })
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16>) {
     switch (query.size(2)) {
-      case 64: return decode_avx512_bf16<4>(out, query, kv_cache, block_tables, seq_lens, scale);
-      case 128: return decode_avx512_bf16<8>(out, query, kv_cache, block_tables, seq_lens, scale);
+      case 64: STREAMKV_GROUPED(4, decode_avx512_bf16);
+      case 128: STREAMKV_GROUPED(8, decode_avx512_bf16);
       default: break;
     }
   }
@@ -612,19 +689,20 @@ void decode_kernel(
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   if constexpr (std::is_same_v<kv_t, int8_t>) {
     switch (query.size(2)) {
-      case 64: return decode_avx512_int8<4, q_t>(out, query, kv_cache, block_tables, seq_lens, scale);
-      case 128: return decode_avx512_int8<8, q_t>(out, query, kv_cache, block_tables, seq_lens, scale);
+      case 64: STREAMKV_GROUPED(4, decode_avx512_int8, q_t);
+      case 128: STREAMKV_GROUPED(8, decode_avx512_int8, q_t);
       default: break;
     }
   }
 #endif
 #if defined(__AVX512F__)
   switch (query.size(2)) {
-    case 64: return decode_avx512<4, q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale);
-    case 128: return decode_avx512<8, q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale);
+    case 64: STREAMKV_GROUPED(4, decode_avx512, q_t, kv_t);
+    case 128: STREAMKV_GROUPED(8, decode_avx512, q_t, kv_t);
     default: break;
   }
 #endif
+#undef STREAMKV_GROUPED
   decode_generic<q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale);
 }
 
