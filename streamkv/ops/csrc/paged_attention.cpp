@@ -176,14 +176,28 @@ inline void for_each_key_run(const View& d, BlockRow block_row, int64_t num_bloc
   }
 }
 
+// 16 output values: fp32 as they are; bf16 rounded to nearest even as c10::BFloat16 rounds a float (a NaN becomes
+// 0x7FC0, denormals kept), so the bits are those of the scalar conversion this replaced.
+inline void store16(float* dst, __m512 x) { _mm512_storeu_ps(dst, x); }
+inline void store16(at::BFloat16* dst, __m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i bias =
+      _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+}
+
 // Pass 2's accumulators back in head-dim order: lane 4L + i of vector 2w holds head dim 32w + 8L + i, of vector
-// 2w + 1 dim 32w + 8L + 4 + i (i < 4), as vpunpck[lh]wd of two rows leaves them.
+// 2w + 1 dim 32w + 8L + 4 + i (i < 4), as vpunpck[lh]wd of two rows leaves them; two two-source permutes a pair.
 template <int W, typename q_t>
-inline void store_deinterleaved(q_t* dst, const float* tmp) {
-  for (int w = 0; w < W; ++w)
-    for (int half = 0; half < 2; ++half)
-      for (int lane = 0; lane < 16; ++lane)
-        dst[32 * w + 8 * (lane / 4) + 4 * half + lane % 4] = static_cast<q_t>(tmp[16 * (2 * w + half) + lane]);
+inline void store_deinterleaved(q_t* dst, const __m512* v) {
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int w = 0; w < W; ++w) {
+    store16(dst + 32 * w, _mm512_permutex2var_ps(v[2 * w], lo, v[2 * w + 1]));
+    store16(dst + 32 * w + 16, _mm512_permutex2var_ps(v[2 * w], hi, v[2 * w + 1]));
+  }
 }
 
 // A task's vectors of its G query heads: an array when the group size G is a template constant (the loops over
@@ -251,38 +265,48 @@ constexpr int64_t kRowsAhead = 32;
 // One row a step keeps the misses in flight level (docs/benchmarks.md, "Decode attention: one row ahead at a time").
 template <typename View>
 struct RowsAhead {
+  using kv_t = std::remove_const_t<std::remove_pointer_t<decltype(View::kv_ptr)>>;
   const View& d;
   int64_t task, end;  // the cursor's task, and the end of the thread's tasks
   int64_t half = 0, block = 0, slot = 0, pos = 0, len = 0, head = 0;
   const int32_t* table = nullptr;
+  const kv_t* row = nullptr;  // the cursor's row
 
   RowsAhead(const View& view, int64_t begin, int64_t stop) : d(view), task(begin), end(stop) {
     enter();
     for (int64_t i = 0; i < kRowsAhead; ++i) step();
   }
-  void enter() {  // the cursor's task from its first row; tasks without rows are skipped
+  void enter() {  // the cursor at the first row of its task; tasks without rows are skipped
     for (; task < end; ++task) {
       const int64_t b = task / d.num_kv_heads;
       head = task % d.num_kv_heads;
       len = d.len_ptr[b];
       table = d.bt_ptr + b * d.bt_stride;
-      if (len > 0) return;
+      if (len > 0) break;
     }
+    block_start();
+  }
+  void block_start() {
+    if (task < end) row = d.kv_ptr + half * d.v_offset + table[block] * d.block_stride + head * d.row;
   }
   void step() {
     if (task >= end) return;
-    prefetch_row(d.kv_ptr + half * d.v_offset + table[block] * d.block_stride + slot * d.slot_stride + head * d.row,
-                 d.row_bytes);
+    prefetch_row(row, d.row_bytes);
     if (++pos == len) {
       pos = block = slot = 0;
       if (++half == 2) {
         half = 0;
         ++task;
         enter();
+      } else {
+        block_start();
       }
     } else if (++slot == d.block_size) {
       slot = 0;
       ++block;
+      block_start();
+    } else {
+      row += d.slot_stride;
     }
   }
 };
@@ -346,6 +370,7 @@ void decode_avx512(
         for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * d.slot_stride, head_dim) : 0.f;
         for (int64_t g = 0; g < group; ++g) {
           __m512 part[16];
+#pragma GCC unroll 16
           for (int k = 0; k < 16; ++k) {
             if (k >= n) {
               part[reduce_slot(k)] = _mm512_setzero_ps();
@@ -393,11 +418,9 @@ void decode_avx512(
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        alignas(64) float tmp[head_dim];
         const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g * C + c], inv));
         q_t* dst = d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h;
-        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<q_t>(tmp[i]);
+        for (int c = 0; c < C; ++c) store16(dst + 16 * c, _mm512_mul_ps(acc[g * C + c], inv));
       }
     }
   });
@@ -448,6 +471,7 @@ void decode_avx512_bf16(
       for_each_key_run(d, block_row, num_blocks, len, [&](const bf16* base, int64_t k0, int64_t n, int64_t p0) {
         for (int64_t g = 0; g < group; ++g) {
           __m512 part[16];
+#pragma GCC unroll 16
           for (int k = 0; k < 16; ++k) {
             if (k >= n) {
               part[reduce_slot(k)] = _mm512_setzero_ps();
@@ -497,11 +521,10 @@ void decode_avx512_bf16(
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        alignas(64) float tmp[head_dim];
         const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g * C + c], inv));
-        bf16* dst = d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h;
-        store_deinterleaved<W>(dst, tmp);
+        __m512 o[C];
+        for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(acc[g * C + c], inv);
+        store_deinterleaved<W>(d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h, o);
       }
     }
   });
@@ -574,6 +597,7 @@ void decode_avx512_int8(
         for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * d.slot_stride, head_dim) : 0.f;
         for (int64_t g = 0; g < group; ++g) {
           __m512i part[16];
+#pragma GCC unroll 16
           for (int k = 0; k < 16; ++k) {
             __m512i s = _mm512_setzero_si512();
             if (k < n) {
@@ -645,11 +669,10 @@ void decode_avx512_int8(
           }
       }
       for (int64_t g = 0; g < group; ++g) {
-        alignas(64) float tmp[head_dim];
         const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        for (int c = 0; c < C; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc_f[g * C + c], inv));
-        q_t* dst = d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h;
-        store_deinterleaved<W>(dst, tmp);
+        __m512 o[C];
+        for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(acc_f[g * C + c], inv);
+        store_deinterleaved<W>(d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h, o);
       }
     }
   });
