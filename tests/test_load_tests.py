@@ -235,3 +235,28 @@ def test_bench_chunk_attention_one_layer_smoke(capsys: pytest.CaptureFixture[str
     assert bench_chunk_attention.main(argv) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2x5+20 | float32 |"))
     assert float(row.split("|")[-2]) < 1e-5  # the op agrees with the torch path on the benched step
+
+
+def test_bench_attention_engine_tables_follow_the_allocator() -> None:
+    from load_tests.bench_attention import engine_tables
+
+    tables = engine_tables(batch=3, per_seq=10, prompt_blocks=8)
+    assert tables[1][:8] == list(range(8, 16))  # each sequence's prompt blocks together
+    assert [t[8] for t in tables] == [24, 25, 26]  # then one decode block per sequence in turn
+    assert [t[9] for t in tables] == [27, 28, 29]
+    assert sorted(b for t in tables for b in t) == list(range(30))  # every block handed out once
+
+
+def test_bench_attention_cold_layers_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    from streamkv.attention.cpu_paged import cpu_ops_available
+
+    if not cpu_ops_available():
+        pytest.skip("the streamkv C++ CPU ops cannot be built here")
+    from load_tests import bench_attention
+
+    argv = ["--threads", "1", "--layers", "2", "--tables", "engine", "--rounds", "1", "--batches", "2",
+            "--contexts", "40", "--dtypes", "float32,int8"]  # fmt: skip
+    assert bench_attention.main(argv) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 | 40 |")]
+    assert [r[3].strip() for r in rows] == ["float32", "int8"]
+    assert all(float(r[6]) > 0 for r in rows)  # KV GB/s of the best round
