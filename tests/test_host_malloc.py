@@ -46,7 +46,9 @@ def faults(mode: str) -> int:
 def test_steps_reuse_the_pages_of_freed_activations() -> None:
     default, tuned = faults("default"), faults("tuned")
     assert default > 10_000, f"only {default} faults with glibc's starting thresholds: the probe measures nothing"
-    assert tuned < 500, f"{tuned} page faults in three steps whose buffers should reuse freed pages"
+    # Reused pages fault 0 times on a quiet host; other work on the VM (its memory reclaimer) has cost a few
+    # hundred (768 once in CI). Without the tuning every step faults all its buffers in again (~145,000).
+    assert tuned * 20 < default, f"{tuned} page faults in three steps whose buffers should reuse freed pages"
 
 
 def test_a_bad_threshold_is_refused() -> None:

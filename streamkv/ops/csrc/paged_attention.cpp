@@ -245,15 +245,15 @@ struct DecodeView {
   }
 };
 
-// Asks for one K or V row (its cache lines) ahead of its use. On AMD's cores every prefetch hint fills L1 and
-// L2 alike.
+// Asks for one K or V row (its cache lines) ahead of its use (hints T0, T1, T2 and NTA timed the same here).
 template <typename kv_t>
 inline void prefetch_row(const kv_t* row, int64_t row_bytes) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-// How many rows ahead of its use a row is asked for (two blocks of 16; 16 and 48 were slower on fp32 B=64 steps).
+// How many rows ahead of its use a row is asked for (two blocks of 16): 16 was slower on fp32 and bf16 B=64
+// steps, 48 and 64 no faster.
 constexpr int64_t kRowsAhead = 32;
 
 // The rows a thread's tasks read, in the order they read them (task t's K rows in table order, then its V rows,
@@ -335,7 +335,7 @@ struct TokenPairs {
 // The same contract as decode_generic, for head_dim == 16 * C: a task's queries and its
 // accumulators sit in zmm-sized chunks, each K/V row is C loads, exp is vectorised.
 // Pass 1 takes up to 16 keys of one block at a time and sums their dot products with one reduce16;
-// both passes prefetch the next block's rows of their head while they work on this one.
+// both passes ask for their rows ahead through the thread's RowsAhead.
 template <int C, int G, typename q_t, typename kv_t>
 void decode_avx512(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
@@ -502,7 +502,7 @@ void decode_avx512_bf16(
         }
         inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum16);
       }
-      // Pass 2: acc_g += w_g,p v_p + w_g,p+1 v_p+1 over token pairs, the next blocks prefetched as pass 1 does.
+      // Pass 2: acc_g += w_g,p v_p + w_g,p+1 v_p+1 over token pairs, each row asked for ahead as in pass 1.
       auto v_row = [&](int64_t jj) { return block_row(jj) + d.v_offset; };
       TokenPairs<bf16, decltype(v_row), decltype(ahead)> pairs{v_row, ahead, d.block_size, d.slot_stride, len};
       for (int64_t p = 0; p < len; p += 2) {
@@ -638,7 +638,7 @@ void decode_avx512_int8(
         }
         inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum16);
       }
-      // Pass 2: acc_g += u_g,p v_p + u_g,p+1 v_p+1 over token pairs, the next blocks prefetched as pass 1 does.
+      // Pass 2: acc_g += u_g,p v_p + u_g,p+1 v_p+1 over token pairs, each row asked for ahead as in pass 1.
       auto v_row = [&](int64_t jj) { return block_row(jj) + d.v_offset; };
       TokenPairs<int8_t, decltype(v_row), decltype(ahead)> pairs{v_row, ahead, d.block_size, d.slot_stride, len};
       for (int64_t p = 0; p < len; p += 2) {
