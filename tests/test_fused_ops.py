@@ -3,7 +3,11 @@
 Op level: each op against the torch expression of ``streamkv/model/llama.py``
 on shapes with vector tails (sizes not multiples of 16) and strided inputs;
 bf16 results must be bitwise equal (the op rounds where torch does), fp32
-within a few ulps (the sum of squares runs in a different order). Model
+within a few ulps (the sum of squares runs in a different order). For the
+norms that order also decides a few bf16 roundings: ``x * rsqrt(mean)`` one
+fp32 ulp apart can round to neighbouring bf16 values, so a norm's bf16 output
+may differ from torch's by one bf16 step in a few elements (seen on an AVX2
+build, whose sum is sequential; the AVX-512 build happened to match here). Model
 level: a small random Llama on a NaN-poisoned paged pool, one mixed step
 (a fresh prefill, a chunk after cached tokens, decodes), torch ops vs fused.
 """
@@ -36,9 +40,14 @@ def torch_rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return w * F.rms_norm(x.float(), w.shape, eps=EPS).to(x.dtype)
 
 
-def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_matches(got: torch.Tensor, want: torch.Tensor, *, summed: bool = False) -> None:
+    """``summed``: the op sums squares in its own order (the norms): bf16 may be one step off in 1 of 1,000."""
     assert got.dtype == want.dtype and got.shape == want.shape
-    if got.dtype == torch.bfloat16:
+    if got.dtype == torch.bfloat16 and summed:
+        # same sign: adjacent bf16 values are 1 apart as int16
+        steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        assert int(steps.max()) <= 1 and int((steps > 0).sum()) * 1000 <= got.numel(), f"{int((steps > 0).sum())} off"
+    elif got.dtype == torch.bfloat16:
         assert torch.equal(got, want), f"max |diff| {(got.float() - want.float()).abs().max().item()}"
     else:
         torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
@@ -53,13 +62,13 @@ def test_rms_norm_and_add_rms_norm_match_torch(dtype: torch.dtype, hidden: int) 
     w = (1 + torch.randn(hidden, generator=g) * 0.1).to(dtype)
     out = torch.empty_like(x)
     ops.rms_norm(out, x, w, EPS)
-    assert_matches(out, torch_rms_norm(x, w))
+    assert_matches(out, torch_rms_norm(x, w), summed=True)
 
     summed = residual + x
     res = residual.clone()
     ops.add_rms_norm(out, x, res, w, EPS)
     assert torch.equal(res, summed)  # the residual add rounds like torch's
-    assert_matches(out, torch_rms_norm(summed, w))
+    assert_matches(out, torch_rms_norm(summed, w), summed=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from streamkv.config import ModelConfig
 from streamkv.model.linear import Linear, SmallMatmul, dequantize_int8, quantize_int8
 from streamkv.model.loader import LoadedModel, from_hf, load_model
+from streamkv.model.precision import onednn_has_bf16
 from streamkv.ops.cpu_ops import load_linear_ops
 from tests.engine_helpers import assert_pool_whole, greedy, make_llm, prompts_of
 
@@ -158,8 +159,10 @@ def test_int8_is_cpu_and_prepack_only(tiny_model_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_int8(tiny_model_dir: str) -> LoadedModel:
+    # bf16 activations where oneDNN has bf16 matmuls (the served default there); fp32 on an AVX2-only CPU
+    dtype = "bfloat16" if onednn_has_bf16() else "float32"
     return load_model(
-        ModelConfig(model=tiny_model_dir, dtype="bfloat16", device="cpu", quantization="int8"), torch.device("cpu")
+        ModelConfig(model=tiny_model_dir, dtype=dtype, device="cpu", quantization="int8"), torch.device("cpu")
     )
 
 

@@ -39,6 +39,17 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
     return not BF16_CPU_FLAGS.isdisjoint(flags)
 
 
+def onednn_has_bf16() -> bool:
+    """True when oneDNN runs bf16 matmuls on this CPU (torch's probe: AVX-512 BW/VL/DQ or newer).
+
+    Without them (an AVX2-only CPU) ``--dtype bfloat16`` runs on torch's
+    default matmuls, and ``--quantization int8`` with bf16 activations is
+    refused at load.
+    """
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None and torch.backends.mkldnn.is_available() else False
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The torch dtype for ``--dtype name`` on ``device`` (``auto`` decided here).
 

@@ -17,10 +17,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include "simd_math.h"
+
+// The AVX2 paths (8 lanes) run where AVX-512 is missing; the same operations in the same order per lane.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define STREAMKV_AVX2 1
+#endif
 #include "ops.h"
 
 #include <cmath>
@@ -64,6 +69,35 @@ inline __m512 round16(__m512 v, at::BFloat16*) {
 
 #endif
 
+#if defined(STREAMKV_AVX2)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+// to_bf16's rule on 8 lanes.
+inline __m128i to_bf16_8(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), nan);
+  const __m256i hi16 = _mm256_srli_epi32(rounded, 16);  // 0..65535: packus keeps them
+  return _mm_packus_epi32(_mm256_castsi256_si128(hi16), _mm256_extracti128_si256(hi16, 1));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_8(v)); }
+inline __m256 round8(__m256 v, float*) { return v; }
+inline __m256 round8(__m256 v, at::BFloat16*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_8(v)), 16));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 // Rows per parallel_for task: about 16k elements.
 inline int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
 
@@ -84,6 +118,14 @@ inline void norm_row(T* out, const T* src, const T* w, int64_t n, float eps) {
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   ss = _mm512_reduce_add_ps(acc);
+#elif defined(STREAMKV_AVX2)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {  // two accumulators: the 16-lane sum of the AVX-512 build, lane for lane
+    const __m256 v0 = load8(src + i), v1 = load8(src + i + 8);
+    acc0 = _mm256_fmadd_ps(v0, v0, acc0);
+    acc1 = _mm256_fmadd_ps(v1, v1, acc1);
+  }
+  ss = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
   for (; i < n; ++i) ss += to_f(src[i]) * to_f(src[i]);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
@@ -98,6 +140,17 @@ inline void norm_row(T* out, const T* src, const T* w, int64_t n, float eps) {
       y = _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(src + i), vinv), out));
     }
     store16(out + i, y);
+  }
+#elif defined(STREAMKV_AVX2)
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8) {
+    __m256 y;
+    if constexpr (std::is_same_v<T, float>) {
+      y = _mm256_mul_ps(_mm256_mul_ps(load8(src + i), vinv), load8(w + i));
+    } else {
+      y = _mm256_mul_ps(load8(w + i), round8(_mm256_mul_ps(load8(src + i), vinv), out));
+    }
+    store8(out + i, y);
   }
 #endif
   for (; i < n; ++i) {
@@ -137,6 +190,8 @@ void add_rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor& residua
       int64_t i = 0;
 #if defined(__AVX512F__)
       for (; i + 16 <= n; i += 16) store16(rr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
+#elif defined(STREAMKV_AVX2)
+      for (; i + 8 <= n; i += 8) store8(rr + i, _mm256_add_ps(load8(rr + i), load8(xr + i)));
 #endif
       for (; i < n; ++i) rr[i] = from_f<T>(to_f(rr[i]) + to_f(xr[i]));
       norm_row(o + r * so, rr, w, n, static_cast<float>(eps));
@@ -162,6 +217,13 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
         __m512 gv = load16(g + i);
         __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
         store16(dst + i, _mm512_mul_ps(round16(silu, dst), load16(u + i)));
+      }
+#elif defined(STREAMKV_AVX2)
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= n; i += 8) {
+        __m256 gv = load8(g + i);
+        __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        store8(dst + i, _mm256_mul_ps(round8(silu, dst), load8(u + i)));
       }
 #endif
       for (; i < n; ++i) {
@@ -195,6 +257,16 @@ void rope_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, cons
             store16(dst + i, _mm512_fmadd_ps(hi, load16(st + i), round16(_mm512_mul_ps(lo, load16(ct + i)), dst)));
             store16(dst + half + i,
                     _mm512_fmadd_ps(lo, load16(st + half + i), round16(_mm512_mul_ps(hi, load16(ct + half + i)), dst)));
+          }
+          continue;
+        }
+#elif defined(STREAMKV_AVX2)
+        if (half % 8 == 0) {
+          for (int64_t i = 0; i < half; i += 8) {
+            const __m256 lo = load8(xr + i), hi = load8(xr + half + i);
+            store8(dst + i, _mm256_fmadd_ps(hi, load8(st + i), round8(_mm256_mul_ps(lo, load8(ct + i)), dst)));
+            store8(dst + half + i,
+                   _mm256_fmadd_ps(lo, load8(st + half + i), round8(_mm256_mul_ps(hi, load8(ct + half + i)), dst)));
           }
           continue;
         }
@@ -240,6 +312,33 @@ inline int64_t argmax_row(const float* x, int64_t n) {
     _mm512_store_si512(iv, idx);
     best = mv[0], best_i = iv[0];
     for (int k = 1; k < 16; ++k)
+      if (mv[k] > best || (mv[k] == best && iv[k] < best_i)) best = mv[k], best_i = iv[k];
+  }
+#elif defined(STREAMKV_AVX2)
+  if (n >= 8) {
+    __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256i idx = _mm256_setzero_si256();
+    __m256i cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256 nan = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 gt = _mm256_cmp_ps(v, m, _CMP_GT_OQ);
+      m = _mm256_blendv_ps(m, v, gt);
+      idx = _mm256_blendv_epi8(idx, cur, _mm256_castps_si256(gt));
+      cur = _mm256_add_epi32(cur, step);
+    }
+    if (_mm256_movemask_ps(nan)) {
+      for (int64_t j = 0; j < n; ++j)
+        if (std::isnan(x[j])) return j;
+    }
+    alignas(32) float mv[8];
+    alignas(32) int32_t iv[8];
+    _mm256_store_ps(mv, m);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(iv), idx);
+    best = mv[0], best_i = iv[0];
+    for (int k = 1; k < 8; ++k)
       if (mv[k] > best || (mv[k] == best && iv[k] < best_i)) best = mv[k], best_i = iv[k];
   }
 #endif
