@@ -8,7 +8,7 @@
 #include <torch/extension.h>
 #include <c10/util/Float8_e4m3fn.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -70,6 +70,16 @@ inline __m512 load16(const int8_t* p) {
 inline __m512 load16(const fp8_t* p) {
   const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_i32gather_ps(codes, fp8_table().data(), 4);
+}
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define STREAMKV_AVX2_KV 1
+// 8 lanes of an fp32 or bf16 K/V row as fp32 (the AVX2 decode kernel's loads).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 #endif
 

@@ -163,7 +163,9 @@ inline float masked_max(const float* s, int64_t len) {
   }
   return _mm512_reduce_max_ps(m16);
 }
+#endif
 
+#if defined(__AVX512F__) || defined(STREAMKV_AVX2_KV)
 // Pass 1's walk over one KV head's keys: block by block in table order, in runs of up to 16 keys of one block.
 // body(base, k0, n, p0) gets the block's row at slot 0, the run's first slot in it, the run's length and its
 // first key's position; scores past p0 + n are scratch, overwritten by the next run or never read.
@@ -176,6 +178,7 @@ inline void for_each_key_run(const View& d, BlockRow block_row, int64_t num_bloc
   }
 }
 
+#if defined(__AVX512F__)
 // 16 output values: fp32 as they are; bf16 rounded to nearest even as c10::BFloat16 rounds a float (a NaN becomes
 // 0x7FC0, denormals kept), so the bits are those of the scalar conversion this replaced.
 inline void store16(float* dst, __m512 x) { _mm512_storeu_ps(dst, x); }
@@ -199,6 +202,7 @@ inline void store_deinterleaved(q_t* dst, const __m512* v) {
     store16(dst + 32 * w + 16, _mm512_permutex2var_ps(v[2 * w], hi, v[2 * w + 1]));
   }
 }
+#endif
 
 // A task's vectors of its G query heads: an array when the group size G is a template constant (the loops over
 // the group unroll and the compiler keeps the vectors in registers), a heap array when G == 0 (any group, the
@@ -332,6 +336,145 @@ struct TokenPairs {
   }
 };
 
+#if defined(STREAMKV_AVX2_KV)
+// The sums of 8 vectors' lanes in one vector: lane k of the result is the sum of v[k]'s lanes.
+inline __m256 reduce8(const __m256 v[8]) {
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i) a[i] = _mm256_hadd_ps(v[2 * i], v[2 * i + 1]);  // per 128-bit half: v0 v0 v1 v1
+  for (int i = 0; i < 2; ++i) b[i] = _mm256_hadd_ps(a[2 * i], a[2 * i + 1]);  // per half: v0 v1 v2 v3
+  const __m256 lo = _mm256_permute2f128_ps(b[0], b[1], 0x20), hi = _mm256_permute2f128_ps(b[0], b[1], 0x31);
+  return _mm256_add_ps(lo, hi);  // lanes 0-3: v0-v3 (b[0]'s halves summed), lanes 4-7: v4-v7
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// decode_avx512's contract and structure on AVX2 (8 lanes, 16 vector registers), for fp32 and bf16 K/V rows of
+// head_dim == 8 * C and a constant query group G (1-4):
+// - pass 1 takes 8 keys of a block at a time and sums their dot products with one reduce8, query head by query
+//   head (the 8 key rows stay in L1 for the G heads);
+// - pass 2 accumulates V in slices of up to 12 vectors across the group (G * slice accumulators in registers);
+//   a row's later slices come from L1/L2, where the first slice's loads and the row prefetch brought them;
+// - both passes ask for their rows ahead through the thread's RowsAhead, as on AVX-512.
+template <int C, int G, typename q_t, typename kv_t>
+void decode_avx2(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  constexpr int64_t head_dim = 8 * C;
+  constexpr int S = std::max(1, std::min(C, 12 / G));  // pass 2's slice: vectors per query head
+  const DecodeView<q_t, kv_t> view(out, query, kv_cache, block_tables, seq_lens);
+
+  at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const auto d = view;
+    RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
+    alignas(32) float q[G][head_dim];
+    alignas(32) float acc[G][head_dim];
+    float inv_sum[G];
+    std::vector<float> scores(G * d.padded_len);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / d.num_kv_heads, h = task % d.num_kv_heads;
+      const int64_t len = d.len_ptr[b];
+      const int32_t* table = d.bt_ptr + b * d.bt_stride;
+      const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
+      auto block_row = [&](int64_t j) { return d.kv_ptr + table[j] * d.block_stride + h * d.row; };
+      for (int g = 0; g < G; ++g) {
+        const q_t* src = d.q_ptr + b * d.q_stride_s + (h * d.group + g) * d.q_stride_h;
+        for (int64_t i = 0; i < head_dim; ++i) q[g][i] = static_cast<float>(src[i]) * static_cast<float>(scale);
+      }
+      // Pass 1: scores[g, p] = q_g . k_p, 8 keys of a block at a time.
+      for_each_key_run(d, block_row, num_blocks, len, [&](const kv_t* base, int64_t k0, int64_t n, int64_t p0) {
+        for (int64_t h8 = 0; h8 < n; h8 += 8) {
+          const int64_t m = std::min<int64_t>(8, n - h8);
+          const kv_t* first = base + (k0 + h8) * d.slot_stride;
+          for (int64_t k = 0; k < m; ++k) ahead.step();
+          for (int g = 0; g < G; ++g) {
+            __m256 part[8];
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; ++k) {
+              if (k >= m) {
+                part[k] = _mm256_setzero_ps();
+                continue;
+              }
+              const kv_t* key = first + k * d.slot_stride;
+              __m256 s = _mm256_mul_ps(_mm256_load_ps(q[g]), load8(key));
+              for (int c = 1; c < C; ++c) s = _mm256_fmadd_ps(_mm256_load_ps(q[g] + 8 * c), load8(key + 8 * c), s);
+              part[k] = s;
+            }
+            _mm256_storeu_ps(&scores[g * d.padded_len + p0 + h8], reduce8(part));
+          }
+        }
+      });
+      // Softmax per query head (exp8 is exp16's arithmetic); scores past len are never read.
+      for (int g = 0; g < G; ++g) {
+        float* s = &scores[g * d.padded_len];
+        float mx = -std::numeric_limits<float>::infinity();
+        int64_t p = 0;
+        if (len >= 8) {
+          __m256 m8 = _mm256_loadu_ps(s);
+          for (p = 8; p + 8 <= len; p += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + p));
+          mx = hmax8(m8);
+        }
+        for (; p < len; ++p) mx = std::max(mx, s[p]);
+        const __m256 m = _mm256_set1_ps(mx);
+        __m256 sum8 = _mm256_setzero_ps();
+        for (p = 0; p + 8 <= len; p += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), m));
+          _mm256_storeu_ps(s + p, e);
+          sum8 = _mm256_add_ps(sum8, e);
+        }
+        float sum = hsum8(sum8);
+        if (p < len) {  // the tail through a padded buffer: exp8 of the live lanes only
+          alignas(32) float t[8] = {};
+          for (int64_t i = p; i < len; ++i) t[i - p] = s[i] - mx;
+          alignas(32) float e[8];
+          _mm256_store_ps(e, exp8(_mm256_load_ps(t)));
+          for (int64_t i = p; i < len; ++i) sum += s[i] = e[i - p];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      // Pass 2: acc_g += softmax_gp * v_p, S vectors of every head of the group at a time.
+      for (int c0 = 0; c0 < C; c0 += S) {
+        const int w = std::min(S, C - c0);
+        __m256 a[G][S];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < S; ++c) a[g][c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < num_blocks; ++j) {
+          const kv_t* base = block_row(j) + d.v_offset;
+          const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
+          for (int64_t k = 0; k < block_len; ++k) {
+            const kv_t* v = base + k * d.slot_stride + 8 * c0;
+            if (c0 == 0) ahead.step();
+            const int64_t p = j * d.block_size + k;
+            __m256 vr[S];
+            for (int c = 0; c < S; ++c) vr[c] = c < w ? load8(v + 8 * c) : _mm256_setzero_ps();
+            for (int g = 0; g < G; ++g) {
+              const __m256 wt = _mm256_set1_ps(scores[g * d.padded_len + p]);
+              for (int c = 0; c < S; ++c) a[g][c] = _mm256_fmadd_ps(wt, vr[c], a[g][c]);
+            }
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < w; ++c) _mm256_store_ps(acc[g] + 8 * (c0 + c), a[g][c]);
+      }
+      for (int g = 0; g < G; ++g) {
+        q_t* dst = d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h;
+        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<q_t>(acc[g][i] * inv_sum[g]);
+      }
+    }
+  });
+}
+#endif
+
+#if defined(__AVX512F__)
 // The same contract as decode_generic, for head_dim == 16 * C: a task's queries and its
 // accumulators sit in zmm-sized chunks, each K/V row is C loads, exp is vectorised.
 // Pass 1 takes up to 16 keys of one block at a time and sums their dot products with one reduce16;
@@ -679,6 +822,7 @@ void decode_avx512_int8(
 }
 #endif
 #endif
+#endif
 
 // Calls body.template operator()<G>() with the query-head group as a constant G when its accumulators fit the
 // registers (G * C <= 16 vectors: groups 1-4 at head_dim 64, 1-2 at 128), with G = 0 (any group) otherwise.
@@ -723,6 +867,21 @@ void decode_kernel(
     case 64: STREAMKV_GROUPED(4, decode_avx512, q_t, kv_t);
     case 128: STREAMKV_GROUPED(8, decode_avx512, q_t, kv_t);
     default: break;
+  }
+#endif
+#if defined(STREAMKV_AVX2_KV)
+  if constexpr (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, at::BFloat16>) {
+    auto avx2 = [&]<int C>() {
+      switch (group) {
+        case 1: decode_avx2<C, 1, q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale); return true;
+        case 2: decode_avx2<C, 2, q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale); return true;
+        case 3: decode_avx2<C, 3, q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale); return true;
+        case 4: decode_avx2<C, 4, q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale); return true;
+        default: return false;
+      }
+    };
+    if (query.size(2) == 64 && avx2.template operator()<8>()) return;
+    if (query.size(2) == 128 && avx2.template operator()<16>()) return;
   }
 #endif
 #undef STREAMKV_GROUPED
