@@ -91,11 +91,6 @@ inline __m256 round8(__m256 v, float*) { return v; }
 inline __m256 round8(__m256 v, at::BFloat16*) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_8(v)), 16));
 }
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 #endif
 
 // Rows per parallel_for task: about 16k elements.

@@ -337,27 +337,6 @@ struct TokenPairs {
 };
 
 #if defined(STREAMKV_AVX2_KV)
-// The sums of 8 vectors' lanes in one vector: lane k of the result is the sum of v[k]'s lanes.
-inline __m256 reduce8(const __m256 v[8]) {
-  __m256 a[4], b[2];
-  for (int i = 0; i < 4; ++i) a[i] = _mm256_hadd_ps(v[2 * i], v[2 * i + 1]);  // per 128-bit half: v0 v0 v1 v1
-  for (int i = 0; i < 2; ++i) b[i] = _mm256_hadd_ps(a[2 * i], a[2 * i + 1]);  // per half: v0 v1 v2 v3
-  const __m256 lo = _mm256_permute2f128_ps(b[0], b[1], 0x20), hi = _mm256_permute2f128_ps(b[0], b[1], 0x31);
-  return _mm256_add_ps(lo, hi);  // lanes 0-3: v0-v3 (b[0]'s halves summed), lanes 4-7: v4-v7
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // decode_avx512's contract and structure on AVX2 (8 lanes, 16 vector registers), for fp32 and bf16 K/V rows of
 // head_dim == 8 * C and a constant query group G (1-4):
 // - pass 1 takes 8 keys of a block at a time and sums their dot products with one reduce8, query head by query
@@ -414,33 +393,7 @@ void decode_avx2(
         }
       });
       // Softmax per query head (exp8 is exp16's arithmetic); scores past len are never read.
-      for (int g = 0; g < G; ++g) {
-        float* s = &scores[g * d.padded_len];
-        float mx = -std::numeric_limits<float>::infinity();
-        int64_t p = 0;
-        if (len >= 8) {
-          __m256 m8 = _mm256_loadu_ps(s);
-          for (p = 8; p + 8 <= len; p += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + p));
-          mx = hmax8(m8);
-        }
-        for (; p < len; ++p) mx = std::max(mx, s[p]);
-        const __m256 m = _mm256_set1_ps(mx);
-        __m256 sum8 = _mm256_setzero_ps();
-        for (p = 0; p + 8 <= len; p += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), m));
-          _mm256_storeu_ps(s + p, e);
-          sum8 = _mm256_add_ps(sum8, e);
-        }
-        float sum = hsum8(sum8);
-        if (p < len) {  // the tail through a padded buffer: exp8 of the live lanes only
-          alignas(32) float t[8] = {};
-          for (int64_t i = p; i < len; ++i) t[i - p] = s[i] - mx;
-          alignas(32) float e[8];
-          _mm256_store_ps(e, exp8(_mm256_load_ps(t)));
-          for (int64_t i = p; i < len; ++i) sum += s[i] = e[i - p];
-        }
-        inv_sum[g] = 1.f / sum;
-      }
+      for (int g = 0; g < G; ++g) inv_sum[g] = softmax8(&scores[g * d.padded_len], len);
       // Pass 2: acc_g += softmax_gp * v_p, S vectors of every head of the group at a time.
       for (int c0 = 0; c0 < C; c0 += S) {
         const int w = std::min(S, C - c0);

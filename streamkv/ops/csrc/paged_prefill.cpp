@@ -290,6 +290,80 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 }
 #endif
 
+#if defined(STREAMKV_AVX2_KV)
+// AVX2, fp32 / bf16 rows of head_dim == 8 * C, query group G (1-4): each query row attends as a decode query
+// does in decode_avx2 (the G heads of a row share each 8-key load and reduce8, softmax8, pass 2 in register
+// slices across the group); the task's rows share its K/V rows, which stay in L1/L2 between rows.
+template <int C, int G, typename q_t, typename kv_t>
+void prefill_avx2(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, float scale) {
+  constexpr int64_t D = 8 * C;
+  constexpr int S = std::max(1, std::min(C, 12 / G));
+  int64_t max_len = 0;
+  for (const Task& t : tasks) max_len = std::max<int64_t>(max_len, L.seq_lens[t.seq]);
+  const int64_t stride = (max_len + 7) / 8 * 8 + 8;
+  run_tasks(tasks, [&](const Task& t) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<const kv_t*> keys;
+    scores.resize(G * stride);
+    const int64_t len = L.seq_lens[t.seq];
+    const int64_t start = L.starts[t.seq];
+    const int64_t ctx0 = len - (L.starts[t.seq + 1] - start);
+    const int64_t last = ctx0 + t.row0 + t.rows;  // keys the tile's last row sees
+    keys.resize(last);
+    for (int64_t p = 0; p < last; ++p) keys[p] = L.key(t.seq, t.kv_head, p);
+    alignas(32) float q[G][D];
+    for (int64_t r = t.row0; r < t.row0 + t.rows; ++r) {
+      const int64_t visible = ctx0 + r + 1;
+      for (int g = 0; g < G; ++g) {
+        const q_t* src = L.query_row(start + r, t.kv_head * G + g);
+        for (int64_t i = 0; i < D; ++i) q[g][i] = static_cast<float>(src[i]) * scale;
+      }
+      for (int64_t p0 = 0; p0 < visible; p0 += 8) {
+        const int64_t m = std::min<int64_t>(8, visible - p0);
+        for (int g = 0; g < G; ++g) {
+          __m256 part[8];
+#pragma GCC unroll 8
+          for (int k = 0; k < 8; ++k) {
+            if (k >= m) {
+              part[k] = _mm256_setzero_ps();
+              continue;
+            }
+            const kv_t* key = keys[p0 + k];
+            __m256 sc = _mm256_mul_ps(_mm256_load_ps(q[g]), load8(key));
+            for (int c = 1; c < C; ++c) sc = _mm256_fmadd_ps(_mm256_load_ps(q[g] + 8 * c), load8(key + 8 * c), sc);
+            part[k] = sc;
+          }
+          _mm256_storeu_ps(&scores[g * stride + p0], reduce8(part));
+        }
+      }
+      float inv_sum[G];
+      for (int g = 0; g < G; ++g) inv_sum[g] = softmax8(&scores[g * stride], visible);
+      for (int c0 = 0; c0 < C; c0 += S) {
+        const int w = std::min(S, C - c0);
+        __m256 a[G][S];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < S; ++c) a[g][c] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < visible; ++p) {
+          const kv_t* v = keys[p] + L.v_offset + 8 * c0;
+          __m256 vr[S];
+          for (int c = 0; c < S; ++c) vr[c] = c < w ? load8(v + 8 * c) : _mm256_setzero_ps();
+          for (int g = 0; g < G; ++g) {
+            const __m256 wt = _mm256_set1_ps(scores[g * stride + p]);
+            for (int c = 0; c < S; ++c) a[g][c] = _mm256_fmadd_ps(wt, vr[c], a[g][c]);
+          }
+        }
+        for (int g = 0; g < G; ++g) {
+          q_t* dst = L.out_row(start + r, t.kv_head * G + g) + 8 * c0;
+          alignas(32) float o[8 * S];
+          for (int c = 0; c < w; ++c) _mm256_store_ps(o + 8 * c, _mm256_mul_ps(a[g][c], _mm256_set1_ps(inv_sum[g])));
+          for (int64_t i = 0; i < 8 * w; ++i) dst[i] = static_cast<q_t>(o[i]);
+        }
+      }
+    }
+  });
+}
+#endif
+
 // Tiles of query rows: as large as keeps every thread busy (a K/V tile load serves rows x G vectors).
 std::vector<Task> make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads,
                              int64_t* max_rows) {
@@ -373,6 +447,21 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
       case 64: return prefill_avx512<4, 4, dot, q_t, kv_t>(layout, tasks, max_rows, s);
       case 128: return prefill_avx512<8, 2, dot, q_t, kv_t>(layout, tasks, max_rows, s);
       default: break;
+    }
+#endif
+#if defined(STREAMKV_AVX2_KV)
+    if constexpr (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, at::BFloat16>) {
+      auto avx2 = [&]<int C>() {
+        switch (layout.group) {
+          case 1: prefill_avx2<C, 1, q_t, kv_t>(layout, tasks, s); return true;
+          case 2: prefill_avx2<C, 2, q_t, kv_t>(layout, tasks, s); return true;
+          case 3: prefill_avx2<C, 3, q_t, kv_t>(layout, tasks, s); return true;
+          case 4: prefill_avx2<C, 4, q_t, kv_t>(layout, tasks, s); return true;
+          default: return false;
+        }
+      };
+      if (query.size(2) == 64 && avx2.template operator()<8>()) return;
+      if (query.size(2) == 128 && avx2.template operator()<16>()) return;
     }
 #endif
     prefill_generic<q_t, kv_t>(layout, tasks, s);

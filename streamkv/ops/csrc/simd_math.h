@@ -4,6 +4,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
 // exp on 8 lanes, exp16's arithmetic (same reduction, same polynomial, so the same bits): AVX2 has no scalef,
 // so 2^n is applied as two exact power-of-two products (each exponent within a normal float's range); x above
 // 100 reads 100, whose exp is already inf, as exp16's scalef overflows; x below -87 reads -87.
@@ -26,6 +30,55 @@ inline __m256 exp8(__m256 x) {
   const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
   const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
   return _mm256_mul_ps(_mm256_mul_ps(poly, p1), p2);
+}
+
+// The sums of 8 vectors' lanes in one vector: lane k of the result is the sum of v[k]'s lanes.
+inline __m256 reduce8(const __m256 v[8]) {
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i) a[i] = _mm256_hadd_ps(v[2 * i], v[2 * i + 1]);  // per 128-bit half: v0 v0 v1 v1
+  for (int i = 0; i < 2; ++i) b[i] = _mm256_hadd_ps(a[2 * i], a[2 * i + 1]);  // per half: v0 v1 v2 v3
+  const __m256 lo = _mm256_permute2f128_ps(b[0], b[1], 0x20), hi = _mm256_permute2f128_ps(b[0], b[1], 0x31);
+  return _mm256_add_ps(lo, hi);  // lanes 0-3: v0-v3 (b[0]'s halves summed), lanes 4-7: v4-v7
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// s[0, len) = exp(s - max s) in place (fp32, exp8); returns 1 / their sum. len >= 1.
+inline float softmax8(float* s, int64_t len) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t p = 0;
+  if (len >= 8) {
+    __m256 m8 = _mm256_loadu_ps(s);
+    for (p = 8; p + 8 <= len; p += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + p));
+    mx = hmax8(m8);
+  }
+  for (; p < len; ++p) mx = std::max(mx, s[p]);
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (p = 0; p + 8 <= len; p += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), m));
+    _mm256_storeu_ps(s + p, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum8(sum8);
+  if (p < len) {  // the tail through a padded buffer: exp8 of the live lanes only
+    alignas(32) float t[8] = {};
+    for (int64_t i = p; i < len; ++i) t[i - p] = s[i] - mx;
+    alignas(32) float e[8];
+    _mm256_store_ps(e, exp8(_mm256_load_ps(t)));
+    for (int64_t i = p; i < len; ++i) sum += s[i] = e[i - p];
+  }
+  return 1.f / sum;
 }
 
 #endif
