@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     ops = load_linear_ops()
     if ops is None:
-        print("the small-batch linear op is not available here (needs AVX-512 BF16 and a compiler)")
+        print("the small-batch linear op is not available here (needs AVX-512 BF16 or AVX2, and a compiler)")
         return 1
     print(f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, read bandwidth {read_bandwidth():.1f} GB/s")
     print("| dtype | rows | oneDNN ms | oneDNN GB/s | small_linear ms | small_linear GB/s | speed-up |")
@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.dtypes.split(","):
         if name == "int8" and not ops.small_linear_int8_supported():
             print("| int8 | - | the int8 kernel needs AVX512-VNNI |")
+            continue
+        if name == "bfloat16" and not ops.small_linear_bf16_supported():
+            print("| bfloat16 | - | the bf16 kernel needs AVX512-BF16 |")
             continue
         onednn, small, nbytes, dtype = pack(ops, name, args.layers)
         for rows in (int(r) for r in args.rows.split(",")):

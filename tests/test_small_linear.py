@@ -18,11 +18,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS, Linear, SmallMatmul
+from streamkv.model.linear import Linear, SmallMatmul, small_linear_max_rows
 from streamkv.ops.cpu_ops import load_linear_ops
 
 ops = load_linear_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the small-batch linear op cannot be built or run here")
+NO_BF16 = pytest.mark.skipif(
+    ops is None or not ops.small_linear_bf16_supported(), reason="the bf16 kernel needs AVX512-BF16 (an AVX2 build)"
+)
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=NO_BF16)]
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -44,7 +48,7 @@ def assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.T
         assert ((got.double() - want).abs() <= ulp + drift).all(), f"max |diff| {(got.double() - want).abs().max()}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k", [(960, 576), (16, 64), (17, 64), (33, 10), (50, 34), (1, 2), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 12, 13, 17, 25, 37, 64, 128])
 def test_matches_the_matmul(dtype: torch.dtype, n: int, k: int, rows: int) -> None:
@@ -59,7 +63,7 @@ def test_matches_the_matmul(dtype: torch.dtype, n: int, k: int, rows: int) -> No
         assert_close(out, x, w, bias)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k", [(960, 576), (50, 34)])
 def test_a_rows_result_is_the_same_in_every_batch(dtype: torch.dtype, n: int, k: int) -> None:
     # Greedy output must not change with the batch mix: each output is one fp32 sum over k ascending, whichever
@@ -84,14 +88,14 @@ def test_a_rows_result_is_the_same_in_every_batch(dtype: torch.dtype, n: int, k:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_no_rows_is_an_empty_result(dtype: torch.dtype) -> None:
     out = torch.empty(0, 40, dtype=dtype)
     ops.small_linear(out, torch.empty(0, 32, dtype=dtype), ops.pack_small_linear(torch.randn(40, 32).to(dtype)), None)
     assert out.shape == (0, 40)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_rows_of_x_and_out(dtype: torch.dtype) -> None:
     # The attention output reshaped, a slice of a wider buffer: rows with a stride other than K.
     w = torch.randn(40, 32).to(dtype)
@@ -119,7 +123,7 @@ def test_bad_arguments_raise() -> None:
         ops.pack_small_linear(w.half())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).to(dtype)
@@ -135,7 +139,7 @@ def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(dtype: to
             real.small_linear(*args)
 
     layer.small = dataclasses.replace(layer.small, ops=Spy())
-    most = SMALL_LINEAR_MAX_ROWS[dtype]
+    most = small_linear_max_rows(ops, dtype)
     for rows in (1, most, most + 1, 300):
         x = torch.randn(rows, 64).to(dtype)
         assert_close(layer(x), x, w, b)
@@ -151,13 +155,16 @@ def test_small_matmul_copies_rows_without_a_unit_stride() -> None:
 def test_bench_small_linear_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     from load_tests import bench_small_linear
 
-    args = ["--rows", "1,9", "--dtypes", "bfloat16,int8", "--rounds", "1", "--layers", "1"]
+    args = ["--rows", "1,9", "--dtypes", "float32,bfloat16,int8", "--rounds", "1", "--layers", "1"]
     assert bench_small_linear.main(args) == 0
     out = capsys.readouterr().out.splitlines()
-    for name in ("bfloat16", "int8"):
+    for name in ("float32", "bfloat16", "int8"):
         rows = [line for line in out if line.startswith(f"| {name} |")]
         if name == "int8" and not ops.small_linear_int8_supported():
             assert rows and "VNNI" in rows[0]
+            continue
+        if name == "bfloat16" and not ops.small_linear_bf16_supported():
+            assert rows and "AVX512-BF16" in rows[0]
             continue
         assert [r.split("|")[2].strip() for r in rows] == ["1", "9"]
         assert all(float(r.split("|")[7].strip().rstrip("x")) > 0 for r in rows)

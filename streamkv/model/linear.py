@@ -39,6 +39,14 @@ from torch import nn
 # / 128 rows in fp32 and 1.52x / 1.43x / 1.25x / 1.15x in bf16, on par (1.01x, 1.00x) at 256. Up to 128 rows
 # covers every decode batch of the default max_num_seqs (64), and a row's result never depends on its batch.
 SMALL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
+# An AVX2 build's fp32 kernel (no AVX-512; load_tests/bench_small_linear.py, 2 threads, 2026-12-02 round 9):
+# 1.43x / 1.17x oneDNN at 1 / 8 rows, 0.81x / 0.62x / 0.49x at 16 / 32 / 64, so it keeps 1-8 rows.
+SMALL_LINEAR_MAX_ROWS_AVX2 = 8
+
+
+def small_linear_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:
+    """Most rows of ``x`` the small-batch kernel of ``ops`` takes for ``dtype`` weights; oneDNN takes more."""
+    return SMALL_LINEAR_MAX_ROWS[dtype] if ops.small_linear_bf16_supported() else SMALL_LINEAR_MAX_ROWS_AVX2
 # int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows and is on
 # par with oneDNN's bf16 matmul at prefill sizes (load_tests/bench_small_linear.py, int8 rows), and one kernel
 # for every row count keeps a row's result independent of the batch it is in.
@@ -108,7 +116,7 @@ class SmallMatmul:
             q, scale = int8
             return cls(ops, ops.pack_small_linear_int8(q.contiguous()), q.shape[0], INT8_MAX_ROWS, scale, b)
         w = weight.detach().contiguous()
-        return cls(ops, ops.pack_small_linear(w), w.shape[0], SMALL_LINEAR_MAX_ROWS[w.dtype], None, b)
+        return cls(ops, ops.pack_small_linear(w), w.shape[0], small_linear_max_rows(ops, w.dtype), None, b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` (float32/bfloat16, ``M <= max_rows``) -> ``[M, N]`` in ``x``'s dtype.

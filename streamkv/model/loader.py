@@ -220,6 +220,8 @@ def from_hf(
         from streamkv.ops.cpu_ops import load_linear_ops  # builds on first use; None (logged) when it cannot
 
         small_ops = load_linear_ops()
+        if small_ops is not None and dtype == torch.bfloat16 and not small_ops.small_linear_bf16_supported():
+            small_ops = None  # an AVX2 build: its small-batch kernel is fp32 only
     if prepack and device.type == "cpu" and not model.prepack_cpu_weights(small_ops=small_ops, int8=int8):
         if int8:
             raise ValueError(f"--quantization int8 needs oneDNN matmuls in {dtype}, which this CPU cannot run")

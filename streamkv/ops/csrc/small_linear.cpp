@@ -1,4 +1,6 @@
 // y = x W^T (+ b) for the few rows of a decode step, streaming W once at memory speed (CPU, fp32 / bf16 / int8 W).
+// AVX-512 with AVX512-BF16 builds run every kernel below; AVX2 builds (no AVX-512) run fp32 weights alone, on
+// run_avx2, the same layout and summation order.
 //
 // A decode step's matmuls have M = batch rows against weights of N x K: at M <= 8 they are bound by the
 // bytes of W, not by FLOPs. oneDNN's packed matmul reaches ~18-20 GB/s on them on the 2-core EPYC where a
@@ -38,8 +40,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// fp32 on AVX2 (no AVX-512): the same packed layout, a pair's 32 columns as four ymm per step of k.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define STREAMKV_AVX2_LINEAR 1
 #endif
 
 #include <algorithm>
@@ -179,6 +186,96 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
 }
 #endif
 
+#if defined(STREAMKV_AVX2_LINEAR)
+// column_pair's contract on AVX2 for fp32: rows [m0, m0 + R) of x against pair `pair` (four ymm of 8 columns
+// per step of k), R <= 3 so the 12 accumulators, the weights and one broadcast fit the 16 registers. Every
+// output is one fp32 FMA chain over k ascending, as on AVX-512, so a row's result never depends on its batch.
+// It streams W faster than oneDNN at 1-8 rows and is slower past them (SMALL_LINEAR_MAX_ROWS_AVX2 in
+// streamkv/model/linear.py keeps it to those rows).
+constexpr int AVX2_ROWS = 3;
+
+template <int R>
+inline void column_pair_avx2(const float* x, int64_t x_stride, float* y, int64_t y_stride, const float* packed,
+                             const float* bias, int64_t m0, int64_t pair, int64_t n, int64_t k, const char* ahead,
+                             int64_t ahead_lines) {
+  constexpr int NV = 4;
+  __m256 acc[NV][R];
+  for (int c = 0; c < NV; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps();
+  const float* w = packed + pair * k * 2 * LANES;
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * x_stride;
+  for (int64_t s = 0; s < k; ++s) {
+    const float* ps = w + s * 2 * LANES;
+    _mm_prefetch(reinterpret_cast<const char*>(ps) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ps) + 2048 + 64, _MM_HINT_T0);
+    if (s < ahead_lines) _mm_prefetch(ahead + s * 64, _MM_HINT_T1);
+    __m256 wv[NV];
+    for (int c = 0; c < NV; ++c) wv[c] = _mm256_loadu_ps(ps + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(xr[r] + s);
+      for (int c = 0; c < NV; ++c) acc[c][r] = _mm256_fmadd_ps(xv, wv[c], acc[c][r]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) {
+    const int64_t col = pair * 2 * LANES + 8 * c;
+    const int64_t live = std::min<int64_t>(8, n - col);
+    if (live <= 0) break;  // the zero columns padding N to a multiple of 32
+    alignas(32) float b[8] = {};
+    if (bias) std::memcpy(b, bias + col, live * sizeof(float));
+    const __m256 bv = _mm256_load_ps(b);
+    for (int r = 0; r < R; ++r) {
+      const __m256 v = _mm256_add_ps(acc[c][r], bv);
+      float* dst = y + (m0 + r) * y_stride + col;
+      if (live == 8) {
+        _mm256_storeu_ps(dst, v);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, v);
+        std::memcpy(dst, t, live * sizeof(float));
+      }
+    }
+  }
+}
+
+template <int R = AVX2_ROWS>
+inline void column_pair_avx2_rows(int64_t rows, const float* x, int64_t x_stride, float* y, int64_t y_stride,
+                                  const float* packed, const float* bias, int64_t m0, int64_t pair, int64_t n,
+                                  int64_t k, const char* ahead, int64_t ahead_lines) {
+  if constexpr (R > 1) {
+    if (rows < R)
+      return column_pair_avx2_rows<R - 1>(rows, x, x_stride, y, y_stride, packed, bias, m0, pair, n, k, ahead,
+                                          ahead_lines);
+  }
+  column_pair_avx2<R>(x, x_stride, y, y_stride, packed, bias, m0, pair, n, k, ahead, ahead_lines);
+}
+
+// run()'s walk with AVX2_ROWS rows a pass (each pass also pulls a share of the next pair's panel into L2).
+void run_avx2(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+  const int64_t m = x.size(0);
+  const int64_t pairs = packed.size(0), k = packed.size(1);
+  const float* xp = x.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  if (m == 0) return;
+  const int64_t passes = (m + AVX2_ROWS - 1) / AVX2_ROWS;
+  const int64_t rows_per_pass = (m + passes - 1) / passes;
+  const int64_t panel_lines = 2 * k;
+  const int64_t share = passes > 1 ? (panel_lines + passes - 1) / passes : 0;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const char* next = reinterpret_cast<const char*>(wp) + (pair + 1) * panel_lines * 64;
+      for (int64_t m0 = 0, pass = 0; m0 < m; m0 += rows_per_pass, ++pass) {
+        const int64_t first = std::min(pass * share, panel_lines);
+        const int64_t lines = pair + 1 < end ? std::min(share, panel_lines - first) : 0;
+        column_pair_avx2_rows(std::min(rows_per_pass, m - m0), xp, x.stride(0), yp, out.stride(0), wp, bias, m0,
+                              pair, n, k, next + first * 64, lines);
+      }
+    }
+  });
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 // Pair steps per int32 partial sum: 256 * 2 * 127 * 32767 < 2^31, so no partial sum can overflow.
 constexpr int64_t INT8_FLUSH_STEPS = 256;
@@ -304,6 +401,15 @@ void run_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
 }  // namespace
 
 bool small_linear_supported() {
+#if (defined(__AVX512F__) && defined(__AVX512BF16__)) || defined(STREAMKV_AVX2_LINEAR)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// bf16 weights need AVX512-BF16 (vdpbf16ps); an AVX2 build runs fp32 only.
+bool small_linear_bf16_supported() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   return true;
 #else
@@ -328,10 +434,11 @@ bool small_linear_int8_supported() {
 
 // weight [N, K] (fp32 or bf16) -> the packed layout above (same dtype).
 at::Tensor pack_small_linear(const at::Tensor& weight) {
-  TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512 with AVX512-BF16");
+  TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512 with AVX512-BF16, or AVX2 for fp32");
   TORCH_CHECK(weight.dim() == 2 && !weight.is_cuda(), "weight must be a CPU [N, K]");
   const auto dtype = weight.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "weight must be float32 or bfloat16");
+  TORCH_CHECK(dtype == at::kFloat || small_linear_bf16_supported(), "bf16 small_linear needs AVX512-BF16");
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t np = padded(n, 2 * LANES), pairs = np / (2 * LANES);
   if (dtype == at::kFloat) {
@@ -349,10 +456,11 @@ at::Tensor pack_small_linear(const at::Tensor& weight) {
 
 // out [M, N] = x [M, K] @ W^T (+ bias [N], fp32 or the weight's dtype), W given packed; N = out.size(1).
 void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512 with AVX512-BF16");
+  TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512 with AVX512-BF16, or AVX2 for fp32");
   const auto dtype = x.scalar_type();
   TORCH_CHECK(packed.scalar_type() == dtype && out.scalar_type() == dtype, "x, packed and out dtypes differ");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(dtype == at::kFloat || small_linear_bf16_supported(), "bf16 small_linear needs AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
               "x and out must be [M, K] and [M, N] with unit last strides");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == 2 * LANES * (dtype == at::kFloat ? 1 : 2),
@@ -370,6 +478,9 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
     run<float>(out, x, packed, bp, n);
   else
     run<at::BFloat16>(out, x, packed, bp, n);
+#endif
+#if defined(STREAMKV_AVX2_LINEAR)
+  run_avx2(out, x, packed, bp, n);
 #endif
 }
 
@@ -419,7 +530,8 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
 
 #ifndef STREAMKV_NO_PYBIND  // left out of streamkv_decode_ops (decode_layer.cpp), which calls the ops directly
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_linear_supported", &small_linear_supported, "whether this build has the AVX-512 BF16 kernels");
+  m.def("small_linear_supported", &small_linear_supported, "whether this build has the fp32 kernel");
+  m.def("small_linear_bf16_supported", &small_linear_bf16_supported, "whether this build has the bf16 kernel");
   m.def("pack_small_linear", &pack_small_linear, "pack a [N, K] weight for small_linear");
   m.def("small_linear", &small_linear, "out = x @ W^T (+ bias) for few rows, W packed (CPU, fp32/bf16)",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
