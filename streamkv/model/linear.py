@@ -37,21 +37,26 @@ from torch import nn
 # The measured crossovers (load_tests/bench_small_linear.py, 2 threads, 2026-12-02 round 7): with passes of up
 # to 12 rows and the next panel prefetched, the kernel is 1.30x / 1.32x / 1.16x / 1.04x oneDNN at 16 / 32 / 64
 # / 128 rows in fp32 and 1.52x / 1.43x / 1.25x / 1.15x in bf16, on par (1.01x, 1.00x) at 256. Up to 128 rows
-# covers every decode batch of the default max_num_seqs (64), and a row's result never depends on its batch.
+# covers every pure-decode batch of the default max_num_seqs (64) on one kernel, so a decode row's result does not
+# depend on how many rows decode with it (a step that also carries a prefill chunk of more rows runs on oneDNN,
+# whose sums run in another order: there the last bits can differ).
 SMALL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
 # An AVX2 build's fp32 kernel (no AVX-512; load_tests/bench_small_linear.py, 2 threads, 2026-12-02 round 9):
-# 1.43x / 1.17x oneDNN at 1 / 8 rows, 0.81x / 0.62x / 0.49x at 16 / 32 / 64, so it keeps 1-8 rows.
+# 1.43x / 1.17x oneDNN at 1 / 8 rows, 0.81x / 0.62x / 0.49x at 16 / 32 / 64, so it keeps 1-8 rows. The price:
+# on such a CPU a decode row's fp32 result can differ in its last bits between steps of up to 8 rows and larger
+# ones, so greedy output can change with the batch where two logits tie within fp32 rounding.
 SMALL_LINEAR_MAX_ROWS_AVX2 = 8
 
-
-def small_linear_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:
-    """Most rows of ``x`` the small-batch kernel of ``ops`` takes for ``dtype`` weights; oneDNN takes more."""
-    return SMALL_LINEAR_MAX_ROWS[dtype] if ops.small_linear_bf16_supported() else SMALL_LINEAR_MAX_ROWS_AVX2
 # int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows and is on
 # par with oneDNN's bf16 matmul at prefill sizes (load_tests/bench_small_linear.py, int8 rows), and one kernel
 # for every row count keeps a row's result independent of the batch it is in.
 INT8_MAX_ROWS = sys.maxsize
 INT8_MAX = 127
+
+
+def small_linear_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:
+    """Most rows of ``x`` the small-batch kernel of ``ops`` takes for ``dtype`` weights; oneDNN takes more."""
+    return SMALL_LINEAR_MAX_ROWS[dtype] if ops.small_linear_bf16_supported() else SMALL_LINEAR_MAX_ROWS_AVX2
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
