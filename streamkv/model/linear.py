@@ -16,7 +16,9 @@ panel, which keeps it ahead of oneDNN up to 128 rows and on par at 256
 ("The small-batch kernel past 8 rows"). So batches up to
 :data:`SMALL_LINEAR_MAX_ROWS` for their dtype take it and larger ones
 (prefill chunks) take oneDNN; the price is a second copy of every
-projection weight in memory.
+projection weight in memory. On a CPU without AVX-512 the fp32 kernel runs
+AVX2 tiles (3 rows x 32 columns up to 8 rows, 6 x 16 on L1-resident blocks of
+k past them) with the same summation order and the same 128-row cap.
 
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
 ``int8``) keeps only int8 codes and a float32 scale per output, run by the
@@ -41,11 +43,10 @@ from torch import nn
 # depend on how many rows decode with it (a step that also carries a prefill chunk of more rows runs on oneDNN,
 # whose sums run in another order: there the last bits can differ).
 SMALL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
-# An AVX2 build's fp32 kernel (no AVX-512; load_tests/bench_small_linear.py, 2 threads, 2026-12-02 round 9):
-# 1.43x / 1.17x oneDNN at 1 / 8 rows, 0.81x / 0.62x / 0.49x at 16 / 32 / 64, so it keeps 1-8 rows. The price:
-# on such a CPU a decode row's fp32 result can differ in its last bits between steps of up to 8 rows and larger
-# ones, so greedy output can change with the batch where two logits tie within fp32 rounding.
-SMALL_LINEAR_MAX_ROWS_AVX2 = 8
+# An AVX2 build's fp32 kernel (no AVX-512; load_tests/bench_small_linear.py, 2 threads, 2026-12-03 round 10):
+# 1.3-1.4x oneDNN at 1-16 rows, 1.2-1.3x at 32, 1.1-1.2x at 64, on par at 128 (1.00-1.06x) and 256 (0.97-0.99x).
+# As on AVX-512, up to 128 rows takes it, so a pure-decode row's result does not depend on its batch.
+SMALL_LINEAR_MAX_ROWS_AVX2 = 128
 
 # int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows and is on
 # par with oneDNN's bf16 matmul at prefill sizes (load_tests/bench_small_linear.py, int8 rows), and one kernel

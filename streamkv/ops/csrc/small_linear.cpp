@@ -1,6 +1,7 @@
 // y = x W^T (+ b) for the few rows of a decode step, streaming W once at memory speed (CPU, fp32 / bf16 / int8 W).
 // AVX-512 with AVX512-BF16 builds run every kernel below; AVX2 builds (no AVX-512) run fp32 weights alone, on
-// run_avx2, the same layout and summation order.
+// run_avx2: the same layout and summation order, 3 x 32 tiles up to 8 rows and 6 x 16 tiles (the shape of
+// BLIS's AVX2 sgemm kernel) on L1-resident blocks of k past them, 1.2-1.4x oneDNN up to 64 rows, on par at 128.
 //
 // A decode step's matmuls have M = batch rows against weights of N x K: at M <= 8 they are bound by the
 // bytes of W, not by FLOPs. oneDNN's packed matmul reaches ~18-20 GB/s on them on the 2-core EPYC where a
@@ -187,45 +188,96 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
 #endif
 
 #if defined(STREAMKV_AVX2_LINEAR)
-// column_pair's contract on AVX2 for fp32: rows [m0, m0 + R) of x against pair `pair` (four ymm of 8 columns
-// per step of k), R <= 3 so the 12 accumulators, the weights and one broadcast fit the 16 registers. Every
-// output is one fp32 FMA chain over k ascending, as on AVX-512, so a row's result never depends on its batch.
-// It streams W faster than oneDNN at 1-8 rows and is slower past them (SMALL_LINEAR_MAX_ROWS_AVX2 in
-// streamkv/model/linear.py keeps it to those rows).
-constexpr int AVX2_ROWS = 3;
+// column_pair's contract on AVX2 for fp32: rows [m0, m0 + R) of x against the columns of pair `pair` a tile
+// covers, over the steps [s0, s1) of k. A call past the first block of k picks its sums up from y, where the
+// block before left them, and the last block adds the bias: every output is still one fp32 FMA chain over k
+// ascending (a sum parked in y and reloaded keeps its bits), as on AVX-512, so a row's result never depends
+// on its batch, its pass or its tile.
+//
+// Every loop over a tile's accumulators is unrolled (#pragma GCC unroll) so they live in registers: in round
+// 9's kernel an epilogue loop that left early indexed them at run time, GCC kept the array on the stack and
+// stored all 12 every step of k, which held the kernel to half of oneDNN's rate at 32 rows.
+constexpr int AVX2_ROWS = 3;        // rows of a pass of 3 x 32 tiles (up to AVX2_WIDE_MAX_ROWS rows)
+constexpr int AVX2_TILE_ROWS = 6;   // rows of a pass of 6 x 16 tiles (more rows)
+constexpr int64_t AVX2_WIDE_MAX_ROWS = 8;
+// Steps of k per block once a pair is walked by more than one pass of rows: the pair's 32 columns x 128 steps
+// are 16 KB, so every pass after the first reads them from L1 (192 steps measured no better).
+constexpr int64_t AVX2_K_BLOCK = 128;
 
-template <int R>
+template <int R, int NV>
 inline void column_pair_avx2(const float* x, int64_t x_stride, float* y, int64_t y_stride, const float* packed,
-                             const float* bias, int64_t m0, int64_t pair, int64_t n, int64_t k, const char* ahead,
-                             int64_t ahead_lines) {
-  constexpr int NV = 4;
+                             const float* bias, int64_t m0, int64_t pair, int64_t half, int64_t n, int64_t k,
+                             int64_t s0, int64_t s1, bool fetch, const char* ahead, int64_t ahead_lines) {
+  static_assert(NV * R <= 12 && (NV == 2 || NV == 4), "the tile must fit the 16 ymm registers");
+  const int64_t col0 = pair * 2 * LANES + half * 8 * NV;
   __m256 acc[NV][R];
-  for (int c = 0; c < NV; ++c)
-    for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps();
-  const float* w = packed + pair * k * 2 * LANES;
-  const float* xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * x_stride;
-  for (int64_t s = 0; s < k; ++s) {
-    const float* ps = w + s * 2 * LANES;
-    _mm_prefetch(reinterpret_cast<const char*>(ps) + 2048, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ps) + 2048 + 64, _MM_HINT_T0);
-    if (s < ahead_lines) _mm_prefetch(ahead + s * 64, _MM_HINT_T1);
-    __m256 wv[NV];
-    for (int c = 0; c < NV; ++c) wv[c] = _mm256_loadu_ps(ps + 8 * c);
+#pragma GCC unroll 4
+  for (int c = 0; c < NV; ++c) {
+    const int64_t col = col0 + 8 * c;
+    const int64_t live = std::min<int64_t>(8, n - col);
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(xr[r] + s);
-      for (int c = 0; c < NV; ++c) acc[c][r] = _mm256_fmadd_ps(xv, wv[c], acc[c][r]);
+      if (s0 == 0 || live <= 0) {
+        acc[c][r] = _mm256_setzero_ps();
+      } else if (live == 8) {
+        acc[c][r] = _mm256_loadu_ps(y + (m0 + r) * y_stride + col);
+      } else {
+        alignas(32) float t[8] = {};
+        std::memcpy(t, y + (m0 + r) * y_stride + col, live * sizeof(float));
+        acc[c][r] = _mm256_load_ps(t);
+      }
     }
   }
-  for (int c = 0; c < NV; ++c) {
-    const int64_t col = pair * 2 * LANES + 8 * c;
-    const int64_t live = std::min<int64_t>(8, n - col);
-    if (live <= 0) break;  // the zero columns padding N to a multiple of 32
-    alignas(32) float b[8] = {};
-    if (bias) std::memcpy(b, bias + col, live * sizeof(float));
-    const __m256 bv = _mm256_load_ps(b);
+  const float* w = packed + pair * k * 2 * LANES + half * 8 * NV;
+  const float* xr[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * x_stride;
+  const auto step = [&](int64_t s) __attribute__((always_inline)) {
+    const float* ps = w + s * 2 * LANES;
+    __m256 wv[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) wv[c] = _mm256_loadu_ps(ps + 8 * c);
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 v = _mm256_add_ps(acc[c][r], bv);
+      const __m256 xv = _mm256_broadcast_ss(xr[r] + s);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[c][r] = _mm256_fmadd_ps(xv, wv[c], acc[c][r]);
+    }
+  };
+  // The block's first pass asks for its lines 16 steps ahead (they come from L2 or memory); the first calls
+  // also ask for lines of the next pair's panel. The other passes find the block in L1.
+  const auto fetch_ahead = [&](int64_t s) __attribute__((always_inline)) {
+    const char* ps = reinterpret_cast<const char*>(w + s * 2 * LANES);
+    _mm_prefetch(ps + 2048, _MM_HINT_T0);
+    if constexpr (NV == 4) _mm_prefetch(ps + 2048 + 64, _MM_HINT_T0);
+  };
+  int64_t s = s0;
+  for (const int64_t next_end = s0 + std::min(ahead_lines, s1 - s0); s < next_end; ++s) {
+    _mm_prefetch(ahead + (s - s0) * 64, _MM_HINT_T1);
+    if (fetch) fetch_ahead(s);
+    step(s);
+  }
+  if (fetch) {
+    for (; s < s1; ++s) {
+      fetch_ahead(s);
+      step(s);
+    }
+  } else {
+#pragma GCC unroll 4
+    for (; s < s1; ++s) step(s);
+  }
+  const bool last = s1 == k;
+#pragma GCC unroll 4
+  for (int c = 0; c < NV; ++c) {
+    const int64_t col = col0 + 8 * c;
+    const int64_t live = std::min<int64_t>(8, n - col);
+    if (live <= 0) continue;  // the zero columns padding N to a multiple of 32
+    alignas(32) float b[8] = {};
+    if (bias && last) std::memcpy(b, bias + col, live * sizeof(float));
+    const __m256 bv = _mm256_load_ps(b);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 v = last ? _mm256_add_ps(acc[c][r], bv) : acc[c][r];
       float* dst = y + (m0 + r) * y_stride + col;
       if (live == 8) {
         _mm256_storeu_ps(dst, v);
@@ -238,19 +290,25 @@ inline void column_pair_avx2(const float* x, int64_t x_stride, float* y, int64_t
   }
 }
 
-template <int R = AVX2_ROWS>
+// column_pair_avx2 for `rows` (1 .. R) rows: the instantiation with exactly that many.
+template <int NV, int R = 12 / NV>
 inline void column_pair_avx2_rows(int64_t rows, const float* x, int64_t x_stride, float* y, int64_t y_stride,
-                                  const float* packed, const float* bias, int64_t m0, int64_t pair, int64_t n,
-                                  int64_t k, const char* ahead, int64_t ahead_lines) {
+                                  const float* packed, const float* bias, int64_t m0, int64_t pair, int64_t half,
+                                  int64_t n, int64_t k, int64_t s0, int64_t s1, bool fetch, const char* ahead,
+                                  int64_t ahead_lines) {
   if constexpr (R > 1) {
     if (rows < R)
-      return column_pair_avx2_rows<R - 1>(rows, x, x_stride, y, y_stride, packed, bias, m0, pair, n, k, ahead,
-                                          ahead_lines);
+      return column_pair_avx2_rows<NV, R - 1>(rows, x, x_stride, y, y_stride, packed, bias, m0, pair, half, n, k,
+                                              s0, s1, fetch, ahead, ahead_lines);
   }
-  column_pair_avx2<R>(x, x_stride, y, y_stride, packed, bias, m0, pair, n, k, ahead, ahead_lines);
+  column_pair_avx2<R, NV>(x, x_stride, y, y_stride, packed, bias, m0, pair, half, n, k, s0, s1, fetch, ahead,
+                          ahead_lines);
 }
 
-// run()'s walk with AVX2_ROWS rows a pass (each pass also pulls a share of the next pair's panel into L2).
+// run()'s walk on AVX2. Up to 3 rows: one pass of 3 x 32 tiles, each pair's panel streamed once. More rows: a
+// thread takes its pairs front to back; within a pair, block by block of k (AVX2_K_BLOCK steps, 16 KB of the
+// pair's weights, L1-resident), each 16-column half of the block under every pass of up to 6 rows. The calls
+// share out the prefetch of the next pair's panel into L2.
 void run_avx2(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   const int64_t m = x.size(0);
   const int64_t pairs = packed.size(0), k = packed.size(1);
@@ -258,18 +316,34 @@ void run_avx2(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
   float* yp = out.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   if (m == 0) return;
-  const int64_t passes = (m + AVX2_ROWS - 1) / AVX2_ROWS;
+  const bool wide = m <= AVX2_WIDE_MAX_ROWS;  // 3 x 32 tiles; 6 x 16 past
+  const int64_t passes = (m + (wide ? AVX2_ROWS : AVX2_TILE_ROWS) - 1) / (wide ? AVX2_ROWS : AVX2_TILE_ROWS);
   const int64_t rows_per_pass = (m + passes - 1) / passes;
+  const int64_t k_block = passes == 1 ? std::max<int64_t>(k, 1) : AVX2_K_BLOCK;
+  const int64_t blocks = std::max<int64_t>(1, (k + k_block - 1) / k_block);  // one (bias only) when K = 0
+  const int64_t halves = wide ? 1 : 2;
   const int64_t panel_lines = 2 * k;
-  const int64_t share = passes > 1 ? (panel_lines + passes - 1) / passes : 0;
+  const int64_t calls = passes * blocks * halves;
+  const int64_t share = calls > 1 ? (panel_lines + calls - 1) / calls : 0;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
       const char* next = reinterpret_cast<const char*>(wp) + (pair + 1) * panel_lines * 64;
-      for (int64_t m0 = 0, pass = 0; m0 < m; m0 += rows_per_pass, ++pass) {
-        const int64_t first = std::min(pass * share, panel_lines);
-        const int64_t lines = pair + 1 < end ? std::min(share, panel_lines - first) : 0;
-        column_pair_avx2_rows(std::min(rows_per_pass, m - m0), xp, x.stride(0), yp, out.stride(0), wp, bias, m0,
-                              pair, n, k, next + first * 64, lines);
+      int64_t call = 0;
+      for (int64_t block = 0; block < blocks; ++block) {
+        const int64_t s0 = block * k_block, s1 = std::min(k, s0 + k_block);
+        for (int64_t m0 = 0; m0 < m; m0 += rows_per_pass) {
+          for (int64_t half = 0; half < halves; ++half, ++call) {
+            const int64_t first = std::min(call * share, panel_lines);
+            const int64_t lines = pair + 1 < end ? std::min(std::min(share, panel_lines - first), s1 - s0) : 0;
+            const int64_t rows = std::min(rows_per_pass, m - m0);
+            if (wide)
+              column_pair_avx2_rows<4>(rows, xp, x.stride(0), yp, out.stride(0), wp, bias, m0, pair, 0, n, k, s0,
+                                       s1, passes > 1 && m0 == 0, next + first * 64, lines);
+            else
+              column_pair_avx2_rows<2>(rows, xp, x.stride(0), yp, out.stride(0), wp, bias, m0, pair, half, n, k,
+                                       s0, s1, m0 == 0, next + first * 64, lines);
+          }
+        }
       }
     }
   });
