@@ -244,12 +244,12 @@ inline void column_pair_avx2(const float* x, int64_t x_stride, float* y, int64_t
       for (int c = 0; c < NV; ++c) acc[c][r] = _mm256_fmadd_ps(xv, wv[c], acc[c][r]);
     }
   };
-  // The block's first pass asks for its lines 16 steps ahead (they come from L2 or memory); the first calls
+  // The block's first pass asks for its lines 32 steps ahead (they come from L2 or memory); the first calls
   // also ask for lines of the next pair's panel. The other passes find the block in L1.
   const auto fetch_ahead = [&](int64_t s) __attribute__((always_inline)) {
     const char* ps = reinterpret_cast<const char*>(w + s * 2 * LANES);
-    _mm_prefetch(ps + 2048, _MM_HINT_T0);
-    if constexpr (NV == 4) _mm_prefetch(ps + 2048 + 64, _MM_HINT_T0);
+    _mm_prefetch(ps + 4096, _MM_HINT_T0);
+    if constexpr (NV == 4) _mm_prefetch(ps + 4096 + 64, _MM_HINT_T0);
   };
   int64_t s = s0;
   for (const int64_t next_end = s0 + std::min(ahead_lines, s1 - s0); s < next_end; ++s) {
@@ -318,7 +318,9 @@ void run_avx2(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
   if (m == 0) return;
   const bool wide = m <= AVX2_WIDE_MAX_ROWS;  // 3 x 32 tiles; 6 x 16 past
   const int64_t passes = (m + (wide ? AVX2_ROWS : AVX2_TILE_ROWS) - 1) / (wide ? AVX2_ROWS : AVX2_TILE_ROWS);
-  const int64_t rows_per_pass = (m + passes - 1) / passes;
+  // Passes as even as they go (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2: a 2-row tile keeps 4 FMA chains, too few
+  // to cover the FMA latency).
+  const int64_t base_rows = m / passes, extra_rows = m % passes;
   const int64_t k_block = passes == 1 ? std::max<int64_t>(k, 1) : AVX2_K_BLOCK;
   const int64_t blocks = std::max<int64_t>(1, (k + k_block - 1) / k_block);  // one (bias only) when K = 0
   const int64_t halves = wide ? 1 : 2;
@@ -331,11 +333,11 @@ void run_avx2(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
       int64_t call = 0;
       for (int64_t block = 0; block < blocks; ++block) {
         const int64_t s0 = block * k_block, s1 = std::min(k, s0 + k_block);
-        for (int64_t m0 = 0; m0 < m; m0 += rows_per_pass) {
+        for (int64_t pass = 0, m0 = 0; pass < passes; m0 += base_rows + (pass < extra_rows), ++pass) {
+          const int64_t rows = base_rows + (pass < extra_rows);
           for (int64_t half = 0; half < halves; ++half, ++call) {
             const int64_t first = std::min(call * share, panel_lines);
             const int64_t lines = pair + 1 < end ? std::min(std::min(share, panel_lines - first), s1 - s0) : 0;
-            const int64_t rows = std::min(rows_per_pass, m - m0);
             if (wide)
               column_pair_avx2_rows<4>(rows, xp, x.stride(0), yp, out.stride(0), wp, bias, m0, pair, 0, n, k, s0,
                                        s1, passes > 1 && m0 == 0, next + first * 64, lines);
