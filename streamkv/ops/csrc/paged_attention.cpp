@@ -375,18 +375,22 @@ void decode_avx2(
           const int64_t m = std::min<int64_t>(8, n - h8);
           const kv_t* first = base + (k0 + h8) * d.slot_stride;
           for (int64_t k = 0; k < m; ++k) ahead.step();
+          // The keys past m alias the last one (their scores, past len or overwritten by the next run, are never
+          // read), so every run takes the same unrolled loop: the 8 dot products advance side by side, c by c,
+          // 8 independent FMA chains (one key's chain at a time left the FMA latency uncovered).
+          const kv_t* key[8];
+#pragma GCC unroll 8
+          for (int k = 0; k < 8; ++k) key[k] = first + std::min<int64_t>(k, m - 1) * d.slot_stride;
           for (int g = 0; g < G; ++g) {
             __m256 part[8];
+            const __m256 q0 = _mm256_load_ps(q[g]);
 #pragma GCC unroll 8
-            for (int k = 0; k < 8; ++k) {
-              if (k >= m) {
-                part[k] = _mm256_setzero_ps();
-                continue;
-              }
-              const kv_t* key = first + k * d.slot_stride;
-              __m256 s = _mm256_mul_ps(_mm256_load_ps(q[g]), load8(key));
-              for (int c = 1; c < C; ++c) s = _mm256_fmadd_ps(_mm256_load_ps(q[g] + 8 * c), load8(key + 8 * c), s);
-              part[k] = s;
+            for (int k = 0; k < 8; ++k) part[k] = _mm256_mul_ps(q0, load8(key[k]));
+#pragma GCC unroll 8
+            for (int c = 1; c < C; ++c) {
+              const __m256 qc = _mm256_load_ps(q[g] + 8 * c);
+#pragma GCC unroll 8
+              for (int k = 0; k < 8; ++k) part[k] = _mm256_fmadd_ps(qc, load8(key[k] + 8 * c), part[k]);
             }
             _mm256_storeu_ps(&scores[g * d.padded_len + p0 + h8], reduce8(part));
           }
