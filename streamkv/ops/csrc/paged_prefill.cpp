@@ -320,18 +320,21 @@ void prefill_avx2(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, fl
       }
       for (int64_t p0 = 0; p0 < visible; p0 += 8) {
         const int64_t m = std::min<int64_t>(8, visible - p0);
+        // decode_avx2's pass 1: keys past m alias the last visible one (their scores, past `visible`, are never
+        // read), and the 8 dot products advance side by side, 8 independent FMA chains.
+        const kv_t* key[8];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) key[k] = keys[p0 + std::min<int64_t>(k, m - 1)];
         for (int g = 0; g < G; ++g) {
           __m256 part[8];
+          const __m256 q0 = _mm256_load_ps(q[g]);
 #pragma GCC unroll 8
-          for (int k = 0; k < 8; ++k) {
-            if (k >= m) {
-              part[k] = _mm256_setzero_ps();
-              continue;
-            }
-            const kv_t* key = keys[p0 + k];
-            __m256 sc = _mm256_mul_ps(_mm256_load_ps(q[g]), load8(key));
-            for (int c = 1; c < C; ++c) sc = _mm256_fmadd_ps(_mm256_load_ps(q[g] + 8 * c), load8(key + 8 * c), sc);
-            part[k] = sc;
+          for (int k = 0; k < 8; ++k) part[k] = _mm256_mul_ps(q0, load8(key[k]));
+#pragma GCC unroll 8
+          for (int c = 1; c < C; ++c) {
+            const __m256 qc = _mm256_load_ps(q[g] + 8 * c);
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; ++k) part[k] = _mm256_fmadd_ps(qc, load8(key[k] + 8 * c), part[k]);
           }
           _mm256_storeu_ps(&scores[g * stride + p0], reduce8(part));
         }
