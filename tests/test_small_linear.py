@@ -49,8 +49,10 @@ def assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.T
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n, k", [(960, 576), (16, 64), (17, 64), (33, 10), (50, 34), (1, 2), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 12, 13, 17, 25, 37, 64, 128])
+@pytest.mark.parametrize(
+    "n, k", [(960, 576), (16, 64), (17, 64), (33, 10), (50, 34), (1, 2), (576, 1536), (50, 300), (40, 129)]
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 17, 25, 37, 64, 128])
 def test_matches_the_matmul(dtype: torch.dtype, n: int, k: int, rows: int) -> None:
     gen = torch.Generator().manual_seed(n * 1000 + k + rows)
     w = torch.randn(n, k, generator=gen).to(dtype)
@@ -64,7 +66,7 @@ def test_matches_the_matmul(dtype: torch.dtype, n: int, k: int, rows: int) -> No
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n, k", [(960, 576), (50, 34)])
+@pytest.mark.parametrize("n, k", [(960, 576), (50, 34), (50, 300)])
 def test_a_rows_result_is_the_same_in_every_batch(dtype: torch.dtype, n: int, k: int) -> None:
     # Greedy output must not change with the batch mix: each output is one fp32 sum over k ascending, whichever
     # pass (and pass size: 12 rows, or 11 + 11 + 10 at 32) computes it, and whichever thread owns its columns.
@@ -80,7 +82,7 @@ def test_a_rows_result_is_the_same_in_every_batch(dtype: torch.dtype, n: int, k:
     try:
         for num_threads in {1, threads}:
             torch.set_num_threads(num_threads)
-            for rows in (2, 11, 12, 13, 24, 32, 33, 64, 100, 130):
+            for rows in (2, 3, 4, 5, 8, 9, 11, 12, 13, 24, 32, 33, 64, 100, 130):
                 out = torch.empty(rows, n, dtype=dtype)
                 ops.small_linear(out, x[:rows], packed, b)
                 assert torch.equal(out, alone[:rows]), (num_threads, rows)
@@ -96,12 +98,14 @@ def test_no_rows_is_an_empty_result(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_strided_rows_of_x_and_out(dtype: torch.dtype) -> None:
-    # The attention output reshaped, a slice of a wider buffer: rows with a stride other than K.
-    w = torch.randn(40, 32).to(dtype)
-    wide = torch.randn(5, 48).to(dtype)
-    x = wide[:, 8:40]
-    out_buf = torch.full((5, 64), float("nan"), dtype=dtype)
+@pytest.mark.parametrize("rows, k", [(5, 32), (13, 300)])
+def test_strided_rows_of_x_and_out(dtype: torch.dtype, rows: int, k: int) -> None:
+    # The attention output reshaped, a slice of a wider buffer: rows with a stride other than K. With K past one
+    # block of k (the AVX2 kernel parks partial sums in out between blocks), out's stride matters there too.
+    w = torch.randn(40, k).to(dtype)
+    wide = torch.randn(rows, k + 16).to(dtype)
+    x = wide[:, 8 : 8 + k]
+    out_buf = torch.full((rows, 64), float("nan"), dtype=dtype)
     out = out_buf[:, 4:44]
     ops.small_linear(out, x, ops.pack_small_linear(w), None)
     assert_close(out, x, w, None)

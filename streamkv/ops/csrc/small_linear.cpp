@@ -1,7 +1,8 @@
 // y = x W^T (+ b) for the few rows of a decode step, streaming W once at memory speed (CPU, fp32 / bf16 / int8 W).
 // AVX-512 with AVX512-BF16 builds run every kernel below; AVX2 builds (no AVX-512) run fp32 weights alone, on
 // run_avx2: the same layout and summation order, 3 x 32 tiles up to 8 rows and 6 x 16 tiles (the shape of
-// BLIS's AVX2 sgemm kernel) on L1-resident blocks of k past them, 1.2-1.4x oneDNN up to 64 rows, on par at 128.
+// BLIS's AVX2 sgemm kernel) past them, on L1-resident blocks of k once there is more than one pass of rows;
+// 1.2-1.4x oneDNN up to 64 rows, on par at 128.
 //
 // A decode step's matmuls have M = batch rows against weights of N x K: at M <= 8 they are bound by the
 // bytes of W, not by FLOPs. oneDNN's packed matmul reaches ~18-20 GB/s on them on the 2-core EPYC where a
@@ -305,10 +306,13 @@ inline void column_pair_avx2_rows(int64_t rows, const float* x, int64_t x_stride
                           ahead_lines);
 }
 
-// run()'s walk on AVX2. Up to 3 rows: one pass of 3 x 32 tiles, each pair's panel streamed once. More rows: a
-// thread takes its pairs front to back; within a pair, block by block of k (AVX2_K_BLOCK steps, 16 KB of the
-// pair's weights, L1-resident), each 16-column half of the block under every pass of up to 6 rows. The calls
-// share out the prefetch of the next pair's panel into L2.
+// run()'s walk on AVX2. A thread takes its pairs front to back. Up to 3 rows: one pass of 3 x 32 tiles over the
+// whole of k, each pair's panel streamed once. 4-8 rows: passes of up to 3 rows (3 x 32 tiles); more rows:
+// passes of up to 6 (each 16-column half of the pair under a 6 x 16 tile); with more than one pass, block by
+// block of k (AVX2_K_BLOCK steps, 16 KB of the pair's weights, L1-resident), every pass over the block. The
+// first pass over a block asks for its lines ahead and the calls share out the prefetch of the next pair's
+// panel into L2; a single pass (1-3 rows) asks for nothing: the hardware prefetcher follows its one sequential
+// stream, and asking made 1 row 13% slower on the Zen 3 EPYC of round 10 (bench_small_linear, 17.9 vs 20.3 ms).
 void run_avx2(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   const int64_t m = x.size(0);
   const int64_t pairs = packed.size(0), k = packed.size(1);
@@ -343,7 +347,7 @@ void run_avx2(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
                                        s1, passes > 1 && m0 == 0, next + first * 64, lines);
             else
               column_pair_avx2_rows<2>(rows, xp, x.stride(0), yp, out.stride(0), wp, bias, m0, pair, half, n, k,
-                                       s0, s1, m0 == 0, next + first * 64, lines);
+                                       s0, s1, passes > 1 && m0 == 0, next + first * 64, lines);
           }
         }
       }
