@@ -18,7 +18,8 @@ panel, which keeps it ahead of oneDNN up to 128 rows and on par at 256
 (prefill chunks) take oneDNN; the price is a second copy of every
 projection weight in memory. On a CPU without AVX-512 the fp32 kernel runs
 AVX2 tiles (3 rows x 32 columns up to 8 rows, 6 x 16 on L1-resident blocks of
-k past them) with the same summation order and the same 128-row cap.
+k past them, rows in blocks of 512) with the same summation order, and takes
+every batch size: there it is the only copy of the weights.
 
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
 ``int8``) keeps only int8 codes and a float32 scale per output, run by the
@@ -44,9 +45,11 @@ from torch import nn
 # whose sums run in another order: there the last bits can differ).
 SMALL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
 # An AVX2 build's fp32 kernel (no AVX-512; load_tests/bench_small_linear.py, 2 threads, 2026-12-03 round 10):
-# 1.3-1.4x oneDNN at 1-16 rows, 1.2-1.3x at 32, 1.1-1.2x at 64, on par at 128 (1.00-1.06x) and 256 (0.97-0.99x).
-# As on AVX-512, up to 128 rows takes it, so a pure-decode row's result does not depend on its batch.
-SMALL_LINEAR_MAX_ROWS_AVX2 = 128
+# 1.2-1.5x oneDNN at 1-32 rows, 1.2x at 64, 1.1x at 128, on par at 256; with rows in blocks of 512, on par or
+# ahead at prefill sizes too (163-172 GFLOP/s against oneDNN's 135-169 at 512-4,096 rows, one weight in cache).
+# So it takes every batch size: on such a CPU every fp32 matmul runs on one kernel, a row's result never depends
+# on its batch or chunk, and no oneDNN copy of the weights is kept.
+SMALL_LINEAR_MAX_ROWS_AVX2 = sys.maxsize
 
 # int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows and is on
 # par with oneDNN's bf16 matmul at prefill sizes (load_tests/bench_small_linear.py, int8 rows), and one kernel
@@ -174,7 +177,10 @@ class Linear(nn.Linear):
 
     @torch.no_grad()
     def prepack(self, batch_size_hint: int, small_ops: ModuleType | None = None, *, int8: bool = False) -> None:
-        """Reorder the weight for oneDNN (and, given ``small_ops``, for the small-batch kernel); drop the dense copy.
+        """Reorder the weight for oneDNN and, given ``small_ops``, for the small-batch kernel; drop the dense copy.
+
+        Where that kernel takes every batch size (fp32 on an AVX2 build) no
+        oneDNN copy is kept.
 
         With ``int8`` the weight becomes its int8 model (:func:`quantize_int8`)
         and, when the build has the int8 kernel, only the int8 codes are kept:
@@ -192,9 +198,10 @@ class Linear(nn.Linear):
                 self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
                 return
             weight = dequantize_int8(*codes, weight.dtype)
-        self.packed_weight = pack_linear_weight(weight, batch_size_hint)
         if small_ops is not None:
             self.small = SmallMatmul.pack(small_ops, weight, self.bias)
+        if self.small is None or self.small.max_rows < sys.maxsize:  # oneDNN takes the rows the kernel does not
+            self.packed_weight = pack_linear_weight(weight, batch_size_hint)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 

@@ -26,6 +26,7 @@ torch ops do; the torch ops stay the reference and the fallback.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -259,7 +260,8 @@ class LlamaForCausalLM(nn.Module):
                 (any row count works).
             small_ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module: matmuls of up to
                 ``SmallMatmul.max_rows`` rows (decode steps) then run on its kernel, from a
-                second packed copy of each weight (float32 and bfloat16 only).
+                second packed copy of each weight (float32 and bfloat16 only); where it
+                takes every batch size (float32 on an AVX2 build) it is the only copy.
             int8: every projection and the LM head become their int8 models
                 (:func:`streamkv.model.linear.quantize_int8`, one scale per output),
                 run by the int8 kernel at every batch size when ``small_ops`` has it
@@ -281,11 +283,13 @@ class LlamaForCausalLM(nn.Module):
             packed_head = None
         else:
             dense_head = head.detach() if codes is None else dequantize_int8(*codes, head.dtype)
-            try:
-                packed_head = pack_linear_weight(dense_head, batch_size_hint)
-            except RuntimeError:
-                return False
             small_head = None if small_ops is None else SmallMatmul.pack(small_ops, dense_head)
+            packed_head = None  # where the kernel takes every batch size (fp32 on AVX2), no oneDNN copy is kept
+            if small_head is None or small_head.max_rows < sys.maxsize:
+                try:
+                    packed_head = pack_linear_weight(dense_head, batch_size_hint)
+                except RuntimeError:
+                    return False
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(batch_size_hint, small_ops, int8=int8)

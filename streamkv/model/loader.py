@@ -257,9 +257,13 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool) -> None:
         return
     if int8:
         logger.warning("this build has no int8 kernel (AVX512-VNNI): the int8 weights run dequantized on oneDNN")
+    rows = max(s.max_rows for s in kernels)
+    if rows == sys.maxsize:
+        logger.info("every matmul on the small-batch linear kernel (no oneDNN copy): %.0f MiB of weights", mib)
+        return
     logger.info(
         "small-batch linear kernel for matmuls of <= %d rows (decode steps): %.0f MiB of weights packed for it",
-        max(s.max_rows for s in kernels),
+        rows,
         mib,
     )
 
@@ -285,7 +289,7 @@ def load_hf_weights(
         KeyError: a weight this architecture needs is missing.
         RuntimeError: the model's weights were already prepacked.
     """
-    if model.packed_lm_head is not None:
+    if model.packed_lm_head is not None or model.small_lm_head is not None:
         raise RuntimeError("weights are prepacked for oneDNN; load them before prepack_cpu_weights()")
 
     def take(*names: str) -> nn.Parameter:
