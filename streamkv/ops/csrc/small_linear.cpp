@@ -1,7 +1,7 @@
 // y = x W^T (+ b) for the few rows of a decode step, streaming W once at memory speed (CPU, fp32 / bf16 / int8 W).
 // AVX-512 with AVX512-BF16 builds run every kernel below; AVX2 builds (no AVX-512) run fp32 weights alone, on
 // run_avx2: the same layout and summation order, 3 x 32 tiles up to 8 rows and 6 x 16 tiles (the shape of
-// BLIS's AVX2 sgemm kernel) past them, on L1-resident blocks of k once there is more than one pass of rows;
+// BLIS's AVX2 sgemm kernel) past them, on blocks of k once there is more than one pass of rows;
 // 1.2-1.4x oneDNN up to 64 rows, on par at 128.
 //
 // A decode step's matmuls have M = batch rows against weights of N x K: at M <= 8 they are bound by the
@@ -201,10 +201,17 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
 constexpr int AVX2_ROWS = 3;        // rows of a pass of 3 x 32 tiles (up to AVX2_WIDE_MAX_ROWS rows)
 constexpr int AVX2_TILE_ROWS = 6;   // rows of a pass of 6 x 16 tiles (more rows)
 constexpr int64_t AVX2_WIDE_MAX_ROWS = 8;
-// Steps of k per block once a pair is walked by more than one pass of rows: the pair's 32 columns x 128 steps
-// are 16 KB, so every pass after the first reads them from L1 (192 steps measured no better).
+// Steps of k per block once a pair is walked by more than one pass of rows, up to AVX2_SMALL_K_ROWS rows: the
+// pair's 32 columns x 128 steps are 16 KB, so every pass after the first reads them from L1 while the first
+// streams them from memory (192 steps measured no better). Past those rows each weight line serves enough FMAs
+// that L2 feeds it, and the blocks' cost dominates instead (each call parks and reloads its 12 sums and
+// restarts its loop): k goes in even blocks of at most AVX2_WIDE_K_BLOCK steps (one block at K = 576), 8-10%
+// faster from 256 to 4,096 rows than blocks of 128 (docs/benchmarks.md, "Round 11").
 constexpr int64_t AVX2_K_BLOCK = 128;
-constexpr int64_t AVX2_ROW_BLOCK = 512;  // most rows of x per walk over the weights (run_avx2)
+constexpr int64_t AVX2_SMALL_K_ROWS = 32;
+constexpr int64_t AVX2_WIDE_K_BLOCK = 576;
+// Most rows of x per walk over the weights (run_avx2): a decode batch of up to 128 rows streams W once.
+constexpr int64_t AVX2_ROW_BLOCK = 128;
 
 template <int R, int NV>
 inline void column_pair_avx2(const float* x, int64_t x_stride, float* y, int64_t y_stride, const float* packed,
@@ -310,7 +317,8 @@ inline void column_pair_avx2_rows(int64_t rows, const float* x, int64_t x_stride
 // run()'s walk on AVX2. A thread takes its pairs front to back. Up to 3 rows: one pass of 3 x 32 tiles over the
 // whole of k, each pair's panel streamed once. 4-8 rows: passes of up to 3 rows (3 x 32 tiles); more rows:
 // passes of up to 6 (each 16-column half of the pair under a 6 x 16 tile); with more than one pass, block by
-// block of k (AVX2_K_BLOCK steps, 16 KB of the pair's weights, L1-resident), every pass over the block. The
+// block of k (AVX2_K_BLOCK steps, 16 KB of the pair's weights, L1-resident, up to AVX2_SMALL_K_ROWS rows; even
+// blocks of at most AVX2_WIDE_K_BLOCK steps past them), every pass over the block. The
 // first pass over a block asks for its lines ahead and the calls share out the prefetch of the next pair's
 // panel into L2; a single pass (1-3 rows) asks for nothing: the hardware prefetcher follows its one sequential
 // stream, and asking made 1 row 13% slower on the Zen 3 EPYC of round 10 (bench_small_linear, 17.9 vs 20.3 ms).
@@ -323,7 +331,9 @@ void run_avx2_rows(const float* xp, int64_t x_stride, float* yp, int64_t y_strid
   // Passes as even as they go (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2: a 2-row tile keeps 4 FMA chains, too few
   // to cover the FMA latency).
   const int64_t base_rows = m / passes, extra_rows = m % passes;
-  const int64_t k_block = passes == 1 ? std::max<int64_t>(k, 1) : AVX2_K_BLOCK;
+  const int64_t k_max = m <= AVX2_SMALL_K_ROWS ? AVX2_K_BLOCK : AVX2_WIDE_K_BLOCK;
+  const int64_t even_blocks = std::max<int64_t>(1, (k + k_max - 1) / k_max);
+  const int64_t k_block = passes == 1 ? std::max<int64_t>(k, 1) : (k + even_blocks - 1) / even_blocks;
   const int64_t blocks = std::max<int64_t>(1, (k + k_block - 1) / k_block);  // one (bias only) when K = 0
   const int64_t halves = wide ? 1 : 2;
   const int64_t panel_lines = 2 * k;
@@ -355,8 +365,9 @@ void run_avx2_rows(const float* xp, int64_t x_stride, float* yp, int64_t y_strid
 }
 
 // Rows in blocks of at most AVX2_ROW_BLOCK, each walked as above: a block's slice of x for one block of k
-// (512 rows x 128 steps, 256 KB) stays in L2 while every pair's passes read it. Without the blocks, 1,024 rows
-// and more read x from L3 for every pair, and 4,096 rows ran at 130-145 GFLOP/s where blocks of 512 run ~170.
+// (128 rows x 576 steps, 288 KB) stays in L2 while every pair's passes read it. Without the blocks, 1,024 rows
+// and more read x from L3 for every pair, and 4,096 rows ran at 130-145 GFLOP/s where blocks of 512 run ~170
+// (blocks of 128 rows with the longer blocks of k: ~180).
 // Each output is the same FMA chain whatever block, pass or tile computes it.
 void run_avx2(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   const int64_t m = x.size(0);
