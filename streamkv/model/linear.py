@@ -17,8 +17,8 @@ panel, which keeps it ahead of oneDNN up to 128 rows and on par at 256
 :data:`SMALL_LINEAR_MAX_ROWS` for their dtype take it and larger ones
 (prefill chunks) take oneDNN; the price is a second copy of every
 projection weight in memory. On a CPU without AVX-512 the fp32 kernel runs
-AVX2 tiles (3 rows x 32 columns up to 8 rows, 6 x 16 on L1-resident blocks of
-k past them, rows in blocks of 512) with the same summation order, and takes
+AVX2 tiles (3 rows x 32 columns up to 8 rows, 6 x 16 on blocks of k past
+them, rows in blocks of 128) with the same summation order, and takes
 every batch size: there it is the only copy of the weights.
 
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
