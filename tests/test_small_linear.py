@@ -71,8 +71,8 @@ def test_matches_the_matmul(dtype: torch.dtype, n: int, k: int, rows: int) -> No
 def test_a_rows_result_is_the_same_in_every_batch(dtype: torch.dtype, n: int, k: int) -> None:
     # Greedy output must not change with the batch mix: each output is one fp32 sum over k ascending, whichever
     # pass (and pass size: 12 rows, or 11 + 11 + 10 at 32) computes it, and whichever thread owns its columns.
-    # K = 1,300 splits k into blocks whose size changes with the rows on AVX2 (128 steps up to 32 rows, three
-    # of 434 past them), the sums parked in out between them.
+    # K = 1,300 splits k into blocks whose size changes with the rows on AVX2 (ten of 119 steps and one of 110
+    # up to 32 rows, two of 434 and one of 432 past them), the sums parked in out between them.
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype)

@@ -201,12 +201,13 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
 constexpr int AVX2_ROWS = 3;        // rows of a pass of 3 x 32 tiles (up to AVX2_WIDE_MAX_ROWS rows)
 constexpr int AVX2_TILE_ROWS = 6;   // rows of a pass of 6 x 16 tiles (more rows)
 constexpr int64_t AVX2_WIDE_MAX_ROWS = 8;
-// Steps of k per block once a pair is walked by more than one pass of rows, up to AVX2_SMALL_K_ROWS rows: the
-// pair's 32 columns x 128 steps are 16 KB, so every pass after the first reads them from L1 while the first
-// streams them from memory (192 steps measured no better). Past those rows each weight line serves enough FMAs
+// Most steps of k per block once a pair is walked by more than one pass of rows; k is split into even blocks
+// under that bound. Up to AVX2_SMALL_K_ROWS rows, AVX2_K_BLOCK: the pair's 32 columns x 128 steps are 16 KB,
+// so every pass after the first reads them from L1 while the first streams them from memory (192 steps
+// measured no better; K = 576: four blocks of 116, one of 112). Past those rows each weight line serves enough FMAs
 // that L2 feeds it, and the blocks' cost dominates instead (each call parks and reloads its 12 sums and
-// restarts its loop): k goes in even blocks of at most AVX2_WIDE_K_BLOCK steps (one block at K = 576), 8-10%
-// faster from 256 to 4,096 rows than blocks of 128 (docs/benchmarks.md, "Round 11").
+// restarts its loop): AVX2_WIDE_K_BLOCK (one block at K = 576, three of 512 at 1,536), 8-10% faster from 256
+// to 4,096 rows than blocks of 128 (docs/benchmarks.md, "Round 11").
 constexpr int64_t AVX2_K_BLOCK = 128;
 constexpr int64_t AVX2_SMALL_K_ROWS = 32;
 constexpr int64_t AVX2_WIDE_K_BLOCK = 576;
@@ -317,8 +318,8 @@ inline void column_pair_avx2_rows(int64_t rows, const float* x, int64_t x_stride
 // run()'s walk on AVX2. A thread takes its pairs front to back. Up to 3 rows: one pass of 3 x 32 tiles over the
 // whole of k, each pair's panel streamed once. 4-8 rows: passes of up to 3 rows (3 x 32 tiles); more rows:
 // passes of up to 6 (each 16-column half of the pair under a 6 x 16 tile); with more than one pass, block by
-// block of k (AVX2_K_BLOCK steps, 16 KB of the pair's weights, L1-resident, up to AVX2_SMALL_K_ROWS rows; even
-// blocks of at most AVX2_WIDE_K_BLOCK steps past them), every pass over the block. The
+// block of k (even blocks of at most AVX2_K_BLOCK steps, L1-resident, up to AVX2_SMALL_K_ROWS rows; of at most
+// AVX2_WIDE_K_BLOCK past them), every pass over the block. The
 // first pass over a block asks for its lines ahead and the calls share out the prefetch of the next pair's
 // panel into L2; a single pass (1-3 rows) asks for nothing: the hardware prefetcher follows its one sequential
 // stream, and asking made 1 row 13% slower on the Zen 3 EPYC of round 10 (bench_small_linear, 17.9 vs 20.3 ms).
