@@ -162,6 +162,40 @@ def test_decode_every_query_group_size(
     compare_step(name, dtype, tol, [1] * len(seq_lens), seq_lens, seed=num_heads, **shape)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (8, 2), (8, 1)])
+def test_decode_of_a_batch_equals_each_sequence_alone(
+    kv_dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int
+) -> None:
+    # The AVX2 kernel gives a task a whole sequence (all its KV heads) when the batch has 2 sequences a thread,
+    # and one KV head otherwise; a sequence alone takes the second split, the batch the first. Both must give
+    # the same bits, or greedy output would change with the batch mix. Shuffled blocks of a NaN-poisoned pool.
+    gen = torch.Generator().manual_seed(head_dim + num_heads)
+    seq_lens = [1, 17, 200, 5, 64, 33, 130, 2, 16, 47]
+    need = [-(-n // 16) for n in seq_lens]
+    cache = torch.full((2, sum(need) + 2, 16, num_kv_heads, head_dim), float("nan"), dtype=kv_dtype)
+    order = torch.randperm(cache.shape[1], generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+    for b, (n, blocks) in enumerate(zip(seq_lens, need, strict=True)):
+        tables[b, :blocks] = torch.tensor(order[:blocks], dtype=torch.int32)
+        order = order[blocks:]
+        slots = tables[b, torch.arange(n) // 16].long() * 16 + torch.arange(n) % 16  # the tail of a block stays NaN
+        cache.view(2, -1, num_kv_heads, head_dim)[:, slots] = torch.randn(
+            2, n, num_kv_heads, head_dim, generator=gen
+        ).to(kv_dtype)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ops = cpu_paged.load_cpu_ops()
+    batch = torch.empty_like(query)
+    ops.paged_decode(batch, query, cache, tables, lens, head_dim**-0.5)
+    assert not batch.isnan().any()
+    for b in range(len(seq_lens)):
+        alone = torch.empty_like(query[b : b + 1])
+        ops.paged_decode(alone, query[b : b + 1], cache, tables[b : b + 1], lens[b : b + 1], head_dim**-0.5)
+        assert torch.equal(alone, batch[b : b + 1]), f"sequence {b} (length {seq_lens[b]})"
+
+
 @pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])  # GQA G = 3 and G = 1
 @pytest.mark.parametrize("head_dim", [64, 12])  # the AVX-512 kernel and the portable one

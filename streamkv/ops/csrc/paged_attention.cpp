@@ -250,10 +250,12 @@ struct DecodeView {
 };
 
 // Asks for one K or V row (its cache lines) ahead of its use (hints T0, T1, T2 and NTA timed the same here).
+// prefetcht0 is a volatile asm, not _mm_prefetch: GCC counts a prefetch builtin as no side effect, so a lambda that
+// only asks ahead is found pure and every call to it deleted (gcc 12 -O3 dropped all of decode_avx2's prefetches).
 template <typename kv_t>
 inline void prefetch_row(const kv_t* row, int64_t row_bytes) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < row_bytes; off += 64) asm volatile("prefetcht0 %0" : : "m"(p[off]));
 }
 
 // How many rows ahead of its use a row is asked for (two blocks of 16): 16 was slower on fp32 and bf16 B=64
@@ -337,95 +339,157 @@ struct TokenPairs {
 };
 
 #if defined(STREAMKV_AVX2_KV)
-// decode_avx512's contract and structure on AVX2 (8 lanes, 16 vector registers), for fp32 and bf16 K/V rows of
-// head_dim == 8 * C and a constant query group G (1-4):
-// - pass 1 takes 8 keys of a block at a time and sums their dot products with one reduce8, query head by query
-//   head (the 8 key rows stay in L1 for the G heads);
-// - pass 2 accumulates V in slices of up to 12 vectors across the group (G * slice accumulators in registers);
-//   a row's later slices come from L1/L2, where the first slice's loads and the row prefetch brought them;
-// - both passes ask for their rows ahead through the thread's RowsAhead, as on AVX-512.
+// How many sequences a thread must have before decode_avx2 gives each task a whole sequence (all its KV heads)
+// rather than one KV head: below it, Hkv tasks a sequence keep a small batch spread over the threads.
+constexpr int64_t kSequencesPerThread = 2;
+constexpr int64_t kMaxTaskHeads = 8;  // a whole-sequence task's queries and sums sit in arrays of this many heads
+
+// The next block a task reads after the one in hand, for asking ahead: its row of the task's first head at slot 0,
+// and how many heads' rows of each slot (contiguous from there) the task reads. heads == 0: none.
+template <typename kv_t>
+struct NextBlock {
+  const kv_t* row0 = nullptr;
+  int64_t heads = 0;
+};
+
+// decode_avx512's contract on AVX2 (8 lanes, 16 vector registers), for fp32 and bf16 K/V rows of head_dim == 8 * C
+// and a constant query group G (1-4). A task is one sequence's KV heads [h0, h1): all of them when the batch has
+// kSequencesPerThread sequences a thread, else one. It walks its blocks in table order, K blocks then V blocks:
+// - a block's rows of all Hkv heads are one contiguous span (block_size * Hkv * D values), so a task of a whole
+//   sequence reads each span once, front to back, and the hardware prefetchers follow it; one head a task reads
+//   1 row in Hkv and comes back for the others (fp32, 30 layers' pools from memory, B=64 x 192-token contexts:
+//   39.2 -> 33.8 ms; an engine decode step at B=64: 188 -> 178 ms; docs/benchmarks.md, "Round 12");
+// - pass 1 scores 8 keys of a block at a time for each head's G query heads, with one reduce8 (the 8 key rows
+//   stay in L1 for the G heads);
+// - pass 2 accumulates a block's V rows in slices of S vectors per query head, G * S sums in registers, parked in
+//   acc between blocks (each output element is still one sum over the tokens in order, so the result does not
+//   depend on the task split); the slice width is a constant so the sums never spill (a run-time width spilled
+//   all 12 to the stack at every token: 379 -> 328-341 us a layer, one thread, with the rows in L2);
+// - while it reads a block, the task asks for the next one's rows (NextBlock): in pass 1 the slots of the keys it
+//   scores, in pass 2 a share of the slots at each head.
 template <int C, int G, typename q_t, typename kv_t>
 void decode_avx2(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   constexpr int64_t head_dim = 8 * C;
-  constexpr int S = std::max(1, std::min(C, 12 / G));  // pass 2's slice: vectors per query head
+  constexpr int S = std::max(1, std::min(C, (15 - G) / G));  // pass 2: G * S sums, G weights, one V vector
   const DecodeView<q_t, kv_t> view(out, query, kv_cache, block_tables, seq_lens);
+  const bool whole = view.num_seqs >= kSequencesPerThread * at::get_num_threads() && view.num_kv_heads <= kMaxTaskHeads;
+  const int64_t heads_per_task = whole ? view.num_kv_heads : 1;
+  const int64_t num_tasks = view.num_seqs * (view.num_kv_heads / heads_per_task);
 
-  at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     const auto d = view;
-    RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
-    alignas(32) float q[G][head_dim];
-    alignas(32) float acc[G][head_dim];
-    float inv_sum[G];
-    std::vector<float> scores(G * d.padded_len);
+    const int64_t tasks_per_seq = d.num_kv_heads / heads_per_task;
+    // Task t: sequence t / tasks_per_seq, heads [h0, h0 + heads_per_task).
+    auto first_block = [&](int64_t t) -> NextBlock<kv_t> {
+      if (t >= end) return {};
+      const int64_t b = t / tasks_per_seq;
+      if (d.len_ptr[b] == 0) return {};
+      const int64_t h0 = (t % tasks_per_seq) * heads_per_task;
+      return {d.kv_ptr + d.bt_ptr[b * d.bt_stride] * d.block_stride + h0 * d.row, heads_per_task};
+    };
+    // Ask for slots [from, to) of `next`, heads [i0, i1) of them (one contiguous span a slot).
+    auto ask = [&](const NextBlock<kv_t>& next, int64_t from, int64_t to, int64_t i0, int64_t i1) {
+      i1 = std::min(i1, next.heads);
+      if (i0 >= i1) return;
+      for (int64_t slot = from; slot < to; ++slot) prefetch_row(next.row0 + slot * d.slot_stride + i0 * d.row, (i1 - i0) * d.row_bytes);
+    };
+    // The task's queries, sums and scores: q[i][g] is query head (h0 + i) * G + g's vector, scaled.
+    std::vector<float> buffers(2 * heads_per_task * G * head_dim + 8), scores(heads_per_task * G * d.padded_len);
+    auto* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffers.data()) + 31) & ~uintptr_t(31));
+    auto* q = reinterpret_cast<float(*)[G][head_dim]>(aligned);
+    auto* acc = reinterpret_cast<float(*)[G][head_dim]>(aligned + heads_per_task * G * head_dim);
+    float inv_sum[kMaxTaskHeads][G];
+    auto score_row = [&](int64_t i, int g) { return scores.data() + (i * G + g) * d.padded_len; };
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / d.num_kv_heads, h = task % d.num_kv_heads;
+      const int64_t b = task / tasks_per_seq, h0 = (task % tasks_per_seq) * heads_per_task;
       const int64_t len = d.len_ptr[b];
+      if (len == 0) continue;
       const int32_t* table = d.bt_ptr + b * d.bt_stride;
       const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
-      auto block_row = [&](int64_t j) { return d.kv_ptr + table[j] * d.block_stride + h * d.row; };
-      for (int g = 0; g < G; ++g) {
-        const q_t* src = d.q_ptr + b * d.q_stride_s + (h * d.group + g) * d.q_stride_h;
-        for (int64_t i = 0; i < head_dim; ++i) q[g][i] = static_cast<float>(src[i]) * static_cast<float>(scale);
-      }
-      // Pass 1: scores[g, p] = q_g . k_p, 8 keys of a block at a time.
-      for_each_key_run(d, block_row, num_blocks, len, [&](const kv_t* base, int64_t k0, int64_t n, int64_t p0) {
-        for (int64_t h8 = 0; h8 < n; h8 += 8) {
-          const int64_t m = std::min<int64_t>(8, n - h8);
-          const kv_t* first = base + (k0 + h8) * d.slot_stride;
-          for (int64_t k = 0; k < m; ++k) ahead.step();
-          // The keys past m alias the last one (their scores, past len or overwritten by the next run, are never
-          // read), so every run takes the same unrolled loop: the 8 dot products advance side by side, c by c,
-          // 8 independent FMA chains (one key's chain at a time left the FMA latency uncovered).
-          const kv_t* key[8];
-#pragma GCC unroll 8
-          for (int k = 0; k < 8; ++k) key[k] = first + std::min<int64_t>(k, m - 1) * d.slot_stride;
-          for (int g = 0; g < G; ++g) {
-            __m256 part[8];
-            const __m256 q0 = _mm256_load_ps(q[g]);
-#pragma GCC unroll 8
-            for (int k = 0; k < 8; ++k) part[k] = _mm256_mul_ps(q0, load8(key[k]));
-#pragma GCC unroll 8
-            for (int c = 1; c < C; ++c) {
-              const __m256 qc = _mm256_load_ps(q[g] + 8 * c);
-#pragma GCC unroll 8
-              for (int k = 0; k < 8; ++k) part[k] = _mm256_fmadd_ps(qc, load8(key[k] + 8 * c), part[k]);
-            }
-            _mm256_storeu_ps(&scores[g * d.padded_len + p0 + h8], reduce8(part));
-          }
+      // Logical block j's row of head h0 at slot 0, K (half 0) or V (half 1).
+      auto block_row = [&](int64_t j, int half) { return d.kv_ptr + half * d.v_offset + table[j] * d.block_stride + h0 * d.row; };
+      auto next_block = [&](int64_t j, int half) -> NextBlock<kv_t> {
+        if (j + 1 < num_blocks) return {block_row(j + 1, half), heads_per_task};
+        if (half == 0) return {block_row(0, 1), heads_per_task};
+        return first_block(task + 1);
+      };
+      for (int64_t i = 0; i < heads_per_task; ++i)
+        for (int g = 0; g < G; ++g) {
+          const q_t* src = d.q_ptr + b * d.q_stride_s + ((h0 + i) * G + g) * d.q_stride_h;
+          for (int64_t x = 0; x < head_dim; ++x) q[i][g][x] = static_cast<float>(src[x]) * static_cast<float>(scale);
         }
-      });
-      // Softmax per query head (exp8 is exp16's arithmetic); scores past len are never read.
-      for (int g = 0; g < G; ++g) inv_sum[g] = softmax8(&scores[g * d.padded_len], len);
-      // Pass 2: acc_g += softmax_gp * v_p, S vectors of every head of the group at a time.
-      for (int c0 = 0; c0 < C; c0 += S) {
-        const int w = std::min(S, C - c0);
-        __m256 a[G][S];
-        for (int g = 0; g < G; ++g)
-          for (int c = 0; c < S; ++c) a[g][c] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < num_blocks; ++j) {
-          const kv_t* base = block_row(j) + d.v_offset;
-          const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
-          for (int64_t k = 0; k < block_len; ++k) {
-            const kv_t* v = base + k * d.slot_stride + 8 * c0;
-            if (c0 == 0) ahead.step();
-            const int64_t p = j * d.block_size + k;
-            __m256 vr[S];
-            for (int c = 0; c < S; ++c) vr[c] = c < w ? load8(v + 8 * c) : _mm256_setzero_ps();
+      // Pass 1: scores[i, g, p] = q_ig . k_p, 8 keys of a block at a time, every head of the task.
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const kv_t* base = block_row(j, 0);
+        const NextBlock<kv_t> next = next_block(j, 0);
+        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
+        for (int64_t k0 = 0; k0 < block_len; k0 += 8) {
+          const int64_t m = std::min<int64_t>(8, block_len - k0);
+          ask(next, k0, k0 + 8 < block_len ? k0 + 8 : d.block_size, 0, heads_per_task);
+          for (int64_t i = 0; i < heads_per_task; ++i) {
+            const kv_t* first = base + k0 * d.slot_stride + i * d.row;
+            // The keys past m alias the last one (their scores, past len or overwritten by the next run, are
+            // never read), so every run takes the same unrolled loop: the 8 dot products advance side by side,
+            // c by c, 8 independent FMA chains (one key's chain at a time left the FMA latency uncovered).
+            const kv_t* key[8];
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; ++k) key[k] = first + std::min<int64_t>(k, m - 1) * d.slot_stride;
             for (int g = 0; g < G; ++g) {
-              const __m256 wt = _mm256_set1_ps(scores[g * d.padded_len + p]);
-              for (int c = 0; c < S; ++c) a[g][c] = _mm256_fmadd_ps(wt, vr[c], a[g][c]);
+              __m256 part[8];
+              const __m256 q0 = _mm256_load_ps(q[i][g]);
+#pragma GCC unroll 8
+              for (int k = 0; k < 8; ++k) part[k] = _mm256_mul_ps(q0, load8(key[k]));
+#pragma GCC unroll 8
+              for (int c = 1; c < C; ++c) {
+                const __m256 qc = _mm256_load_ps(q[i][g] + 8 * c);
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; ++k) part[k] = _mm256_fmadd_ps(qc, load8(key[k] + 8 * c), part[k]);
+              }
+              _mm256_storeu_ps(score_row(i, g) + j * d.block_size + k0, reduce8(part));
             }
           }
         }
-        for (int g = 0; g < G; ++g)
-          for (int c = 0; c < w; ++c) _mm256_store_ps(acc[g] + 8 * (c0 + c), a[g][c]);
       }
-      for (int g = 0; g < G; ++g) {
-        q_t* dst = d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h;
-        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<q_t>(acc[g][i] * inv_sum[g]);
+      // Softmax per query head (exp8 is exp16's arithmetic); scores past len are never read.
+      for (int64_t i = 0; i < heads_per_task; ++i)
+        for (int g = 0; g < G; ++g) inv_sum[i][g] = softmax8(score_row(i, g), len);
+      // Pass 2: acc_ig += softmax_igp * v_p, block by block, each head's slices of S vectors (the last C % S wide).
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const kv_t* base = block_row(j, 1);
+        const NextBlock<kv_t> next = next_block(j, 1);
+        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
+        for (int64_t i = 0; i < heads_per_task; ++i) {
+          // The next block's i-th share of slots, every head's rows of them: the whole block is asked for by
+          // the time the task's first heads are done with this one.
+          ask(next, i * d.block_size / heads_per_task, (i + 1) * d.block_size / heads_per_task, 0, heads_per_task);
+          auto slice = [&]<int W>(int c0) {
+            __m256 a[G][W];
+            for (int g = 0; g < G; ++g)
+              for (int c = 0; c < W; ++c) a[g][c] = j == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc[i][g] + 8 * (c0 + c));
+            const kv_t* rows = base + i * d.row + 8 * c0;
+            for (int64_t k = 0; k < block_len; ++k) {
+              const kv_t* v = rows + k * d.slot_stride;
+              __m256 wt[G];
+              for (int g = 0; g < G; ++g) wt[g] = _mm256_broadcast_ss(score_row(i, g) + j * d.block_size + k);
+              for (int c = 0; c < W; ++c) {
+                const __m256 vc = load8(v + 8 * c);
+                for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(wt[g], vc, a[g][c]);
+              }
+            }
+            for (int g = 0; g < G; ++g)
+              for (int c = 0; c < W; ++c) _mm256_store_ps(acc[i][g] + 8 * (c0 + c), a[g][c]);
+          };
+          for (int c0 = 0; c0 + S <= C; c0 += S) slice.template operator()<S>(c0);
+          if constexpr (C % S != 0) slice.template operator()<C % S>(C - C % S);
+        }
       }
+      for (int64_t i = 0; i < heads_per_task; ++i)
+        for (int g = 0; g < G; ++g) {
+          q_t* dst = d.o_ptr + b * d.o_stride_s + ((h0 + i) * G + g) * d.o_stride_h;
+          for (int64_t x = 0; x < head_dim; ++x) dst[x] = static_cast<q_t>(acc[i][g][x] * inv_sum[i][g]);
+        }
     }
   });
 }
