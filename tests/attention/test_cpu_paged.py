@@ -196,6 +196,19 @@ def test_decode_of_a_batch_equals_each_sequence_alone(
         assert torch.equal(alone, batch[b : b + 1]), f"sequence {b} (length {seq_lens[b]})"
 
 
+@pytest.mark.parametrize("batch", [1, 8])  # one task per KV head, one per sequence
+def test_decode_of_a_sequence_without_keys_is_nan_and_leaves_the_others_alone(batch: int) -> None:
+    gen = torch.Generator().manual_seed(batch)
+    cache = torch.randn(2, 2 * batch, 16, 3, 64, generator=gen)
+    tables = torch.arange(2 * batch, dtype=torch.int32).view(batch, 2)
+    lens = torch.full((batch,), 20, dtype=torch.int32)
+    lens[0] = 0
+    query, out = torch.randn(batch, 9, 64, generator=gen), torch.zeros(batch, 9, 64)
+    cpu_paged.load_cpu_ops().paged_decode(out, query, cache, tables, lens, 0.125)
+    assert out[0].isnan().all()  # 0 / 0, as the portable kernel gives
+    assert not out[1:].isnan().any()
+
+
 @pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])  # GQA G = 3 and G = 1
 @pytest.mark.parametrize("head_dim", [64, 12])  # the AVX-512 kernel and the portable one

@@ -405,7 +405,12 @@ void decode_avx2(
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_seq, h0 = (task % tasks_per_seq) * heads_per_task;
       const int64_t len = d.len_ptr[b];
-      if (len == 0) continue;
+      if (len == 0) {  // no keys: 0 / 0, NaN, as decode_generic gives
+        for (int64_t i = 0; i < heads_per_task * G; ++i)
+          std::fill_n(d.o_ptr + b * d.o_stride_s + (h0 * G + i) * d.o_stride_h, head_dim,
+                      static_cast<q_t>(std::numeric_limits<float>::quiet_NaN()));
+        continue;
+      }
       const int32_t* table = d.bt_ptr + b * d.bt_stride;
       const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
       // Logical block j's row of head h0 at slot 0, K (half 0) or V (half 1).
