@@ -374,7 +374,8 @@ void decode_avx2(
   constexpr int64_t head_dim = 8 * C;
   constexpr int S = std::max(1, std::min(C, (15 - G) / G));  // pass 2: G * S sums, G weights, one V vector
   const DecodeView<q_t, kv_t> view(out, query, kv_cache, block_tables, seq_lens);
-  const bool whole = view.num_seqs >= kSequencesPerThread * at::get_num_threads() && view.num_kv_heads <= kMaxTaskHeads;
+  const bool whole =
+      view.num_seqs >= kSequencesPerThread * at::get_num_threads() && view.num_kv_heads <= kMaxTaskHeads;
   const int64_t heads_per_task = whole ? view.num_kv_heads : 1;
   const int64_t num_tasks = view.num_seqs * (view.num_kv_heads / heads_per_task);
 
@@ -393,7 +394,8 @@ void decode_avx2(
     auto ask = [&](const NextBlock<kv_t>& next, int64_t from, int64_t to, int64_t i0, int64_t i1) {
       i1 = std::min(i1, next.heads);
       if (i0 >= i1) return;
-      for (int64_t slot = from; slot < to; ++slot) prefetch_row(next.row0 + slot * d.slot_stride + i0 * d.row, (i1 - i0) * d.row_bytes);
+      for (int64_t slot = from; slot < to; ++slot)
+        prefetch_row(next.row0 + slot * d.slot_stride + i0 * d.row, (i1 - i0) * d.row_bytes);
     };
     // The task's queries, sums and scores: q[i][g] is query head (h0 + i) * G + g's vector, scaled.
     std::vector<float> buffers(2 * heads_per_task * G * head_dim + 8), scores(heads_per_task * G * d.padded_len);
@@ -414,7 +416,9 @@ void decode_avx2(
       const int32_t* table = d.bt_ptr + b * d.bt_stride;
       const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
       // Logical block j's row of head h0 at slot 0, K (half 0) or V (half 1).
-      auto block_row = [&](int64_t j, int half) { return d.kv_ptr + half * d.v_offset + table[j] * d.block_stride + h0 * d.row; };
+      auto block_row = [&](int64_t j, int half) {
+        return d.kv_ptr + half * d.v_offset + table[j] * d.block_stride + h0 * d.row;
+      };
       auto next_block = [&](int64_t j, int half) -> NextBlock<kv_t> {
         if (j + 1 < num_blocks) return {block_row(j + 1, half), heads_per_task};
         if (half == 0) return {block_row(0, 1), heads_per_task};
@@ -466,13 +470,14 @@ void decode_avx2(
         const NextBlock<kv_t> next = next_block(j, 1);
         const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
         for (int64_t i = 0; i < heads_per_task; ++i) {
-          // The next block's i-th share of slots, every head's rows of them: the whole block is asked for by
-          // the time the task's first heads are done with this one.
+          // The next block's i-th share of slots, every head's rows of them: the whole next block has been
+          // asked for by the time the task's last head starts on this one.
           ask(next, i * d.block_size / heads_per_task, (i + 1) * d.block_size / heads_per_task, 0, heads_per_task);
           auto slice = [&]<int W>(int c0) {
             __m256 a[G][W];
             for (int g = 0; g < G; ++g)
-              for (int c = 0; c < W; ++c) a[g][c] = j == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc[i][g] + 8 * (c0 + c));
+              for (int c = 0; c < W; ++c)
+                a[g][c] = j == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc[i][g] + 8 * (c0 + c));
             const kv_t* rows = base + i * d.row + 8 * c0;
             for (int64_t k = 0; k < block_len; ++k) {
               const kv_t* v = rows + k * d.slot_stride;
