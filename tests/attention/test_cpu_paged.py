@@ -164,7 +164,7 @@ def test_decode_every_query_group_size(
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (8, 2), (8, 1), (12, 12)])
 def test_decode_of_a_batch_equals_each_sequence_alone(
     kv_dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int
 ) -> None:

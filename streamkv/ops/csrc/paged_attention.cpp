@@ -21,6 +21,7 @@
 #include "simd_math.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -342,7 +343,6 @@ struct TokenPairs {
 // How many sequences a thread must have before decode_avx2 gives each task a whole sequence (all its KV heads)
 // rather than one KV head: below it, Hkv tasks a sequence keep a small batch spread over the threads.
 constexpr int64_t kSequencesPerThread = 2;
-constexpr int64_t kMaxTaskHeads = 8;  // a whole-sequence task's queries and sums sit in arrays of this many heads
 
 // The next block a task reads after the one in hand, for asking ahead: its row of the task's first head at slot 0,
 // and how many heads' rows of each slot (contiguous from there) the task reads. heads == 0: none.
@@ -374,8 +374,7 @@ void decode_avx2(
   constexpr int64_t head_dim = 8 * C;
   constexpr int S = std::max(1, std::min(C, (15 - G) / G));  // pass 2: G * S sums, G weights, one V vector
   const DecodeView<q_t, kv_t> view(out, query, kv_cache, block_tables, seq_lens);
-  const bool whole =
-      view.num_seqs >= kSequencesPerThread * at::get_num_threads() && view.num_kv_heads <= kMaxTaskHeads;
+  const bool whole = view.num_seqs >= kSequencesPerThread * at::get_num_threads();
   const int64_t heads_per_task = whole ? view.num_kv_heads : 1;
   const int64_t num_tasks = view.num_seqs * (view.num_kv_heads / heads_per_task);
 
@@ -390,19 +389,17 @@ void decode_avx2(
       const int64_t h0 = (t % tasks_per_seq) * heads_per_task;
       return {d.kv_ptr + d.bt_ptr[b * d.bt_stride] * d.block_stride + h0 * d.row, heads_per_task};
     };
-    // Ask for slots [from, to) of `next`, heads [i0, i1) of them (one contiguous span a slot).
-    auto ask = [&](const NextBlock<kv_t>& next, int64_t from, int64_t to, int64_t i0, int64_t i1) {
-      i1 = std::min(i1, next.heads);
-      if (i0 >= i1) return;
-      for (int64_t slot = from; slot < to; ++slot)
-        prefetch_row(next.row0 + slot * d.slot_stride + i0 * d.row, (i1 - i0) * d.row_bytes);
+    // Ask for slots [from, to) of `next`: each slot's rows of the task's heads, one contiguous span.
+    auto ask = [&](const NextBlock<kv_t>& next, int64_t from, int64_t to) {
+      for (int64_t slot = from; next.heads > 0 && slot < to; ++slot)
+        prefetch_row(next.row0 + slot * d.slot_stride, next.heads * d.row_bytes);
     };
     // The task's queries, sums and scores: q[i][g] is query head (h0 + i) * G + g's vector, scaled.
     std::vector<float> buffers(2 * heads_per_task * G * head_dim + 8), scores(heads_per_task * G * d.padded_len);
     auto* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffers.data()) + 31) & ~uintptr_t(31));
     auto* q = reinterpret_cast<float(*)[G][head_dim]>(aligned);
     auto* acc = reinterpret_cast<float(*)[G][head_dim]>(aligned + heads_per_task * G * head_dim);
-    float inv_sum[kMaxTaskHeads][G];
+    std::vector<std::array<float, G>> inv_sum(heads_per_task);
     auto score_row = [&](int64_t i, int g) { return scores.data() + (i * G + g) * d.padded_len; };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_seq, h0 = (task % tasks_per_seq) * heads_per_task;
@@ -436,7 +433,7 @@ void decode_avx2(
         const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
         for (int64_t k0 = 0; k0 < block_len; k0 += 8) {
           const int64_t m = std::min<int64_t>(8, block_len - k0);
-          ask(next, k0, k0 + 8 < block_len ? k0 + 8 : d.block_size, 0, heads_per_task);
+          ask(next, k0, k0 + 8 < block_len ? k0 + 8 : d.block_size);
           for (int64_t i = 0; i < heads_per_task; ++i) {
             const kv_t* first = base + k0 * d.slot_stride + i * d.row;
             // The keys past m alias the last one (their scores, past len or overwritten by the next run, are
@@ -472,7 +469,7 @@ void decode_avx2(
         for (int64_t i = 0; i < heads_per_task; ++i) {
           // The next block's i-th share of slots, every head's rows of them: the whole next block has been
           // asked for by the time the task's last head starts on this one.
-          ask(next, i * d.block_size / heads_per_task, (i + 1) * d.block_size / heads_per_task, 0, heads_per_task);
+          ask(next, i * d.block_size / heads_per_task, (i + 1) * d.block_size / heads_per_task);
           auto slice = [&]<int W>(int c0) {
             __m256 a[G][W];
             for (int g = 0; g < G; ++g)
