@@ -43,7 +43,7 @@ EXTENSION_NAME = "streamkv_cpu_ops"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "paged_prefill.cpp")
 # Headers the sources include: not compiled themselves, but a change to one must rebuild.
-HEADERS = (_CSRC / "kv_row.h", _CSRC / "kv_tile.h", _CSRC / "simd_math.h", _CSRC / "ops.h")
+HEADERS = (_CSRC / "kv_row.h", _CSRC / "kv_tile.h", _CSRC / "simd_math.h", _CSRC / "ops.h", _CSRC / "work_split.h")
 FUSED_EXTENSION_NAME = "streamkv_fused_ops"
 FUSED_SOURCES = (_CSRC / "fused_layers.cpp",)
 LINEAR_EXTENSION_NAME = "streamkv_linear_ops"

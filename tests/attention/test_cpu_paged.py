@@ -196,6 +196,46 @@ def test_decode_of_a_batch_equals_each_sequence_alone(
         assert torch.equal(alone, batch[b : b + 1]), f"sequence {b} (length {seq_lens[b]})"
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "seq_lens",
+    [
+        [700],
+        [700, 3, 5],  # one task per KV head: the first sequence's three outweigh the rest
+        [3, 5, 9, 700],
+        [900, 40, 40, 40, 40, 40, 40, 40],  # a task per sequence: one holds most of the tokens
+        [40, 40, 40, 40, 40, 40, 40, 900],
+        [64] * 8,
+        [1, 2, 1, 2, 1, 2, 1, 2, 1],
+    ],
+)
+def test_decode_is_the_same_on_any_number_of_threads(seq_lens: list[int], threads: int) -> None:
+    # The threads split the tasks by their tokens, not their count: every task must still run exactly once
+    # (out starts NaN, so a task left out shows) and give the same bits whichever thread runs it.
+    gen = torch.Generator().manual_seed(len(seq_lens) + threads)
+    need = [-(-n // 16) for n in seq_lens]
+    cache = torch.randn(2, sum(need), 16, 3, 64, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+    order = torch.randperm(sum(need), generator=gen).tolist()
+    for b, blocks in enumerate(need):
+        tables[b, :blocks] = torch.tensor(order[:blocks], dtype=torch.int32)
+        order = order[blocks:]
+    query, lens = torch.randn(len(seq_lens), 9, 64, generator=gen), torch.tensor(seq_lens, dtype=torch.int32)
+    ops = cpu_paged.load_cpu_ops()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.full_like(query, float("nan"))
+        ops.paged_decode(one, query, cache, tables, lens, 0.125)
+        torch.set_num_threads(threads)
+        out = torch.full_like(query, float("nan"))
+        ops.paged_decode(out, query, cache, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert not one.isnan().any()
+    assert torch.equal(out, one)
+
+
 @pytest.mark.parametrize("batch", [1, 8])  # one task per KV head, one per sequence
 def test_decode_of_a_sequence_without_keys_is_nan_and_leaves_the_others_alone(batch: int) -> None:
     gen = torch.Generator().manual_seed(batch)

@@ -2,6 +2,8 @@
 //
 // One task per (sequence, KV head): its G = Hq / Hkv query heads share the
 // task, so every K and V row is read once from the pool and used G times.
+// Each thread takes a contiguous run of tasks holding an equal share of the
+// batch's tokens (work_split.h), not an equal count of them.
 // Two passes over the context (scores, then the weighted sum of V) keep the
 // scores of one task in a thread-local float buffer; for this engine's
 // contexts (<= a few thousand tokens) that buffer stays in L2.
@@ -18,6 +20,7 @@
 
 #include "kv_row.h"
 #include "ops.h"
+#include "work_split.h"
 #include "simd_math.h"
 
 #include <algorithm>
@@ -29,6 +32,10 @@
 #include <vector>
 
 namespace {
+
+// A task's cost in the split between threads: its tokens, plus what a task costs beyond them (its queries, the
+// softmax's end, its output), counted as one block's tokens.
+constexpr int64_t kTaskCostTokens = 16;
 
 using namespace streamkv;
 
@@ -73,7 +80,8 @@ void decode_generic(
   int64_t max_len = 0;
   for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max<int64_t>(max_len, len_ptr[b]);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t t) { return std::max<int64_t>(len_ptr[t / num_kv_heads], 0) + kTaskCostTokens; };
+  parallel_for_by_cost(num_seqs * num_kv_heads, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * max_len);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
@@ -248,6 +256,13 @@ struct DecodeView {
     for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max<int64_t>(max_len, len_ptr[b]);
     padded_len = (max_len + 15) / 16 * 16 + 16;
   }
+
+  // The cost of task t when each task is one sequence's `heads` consecutive KV heads (parallel_for_by_cost).
+  auto task_cost(int64_t heads = 1) const {
+    return [lens = len_ptr, tasks_per_seq = num_kv_heads / heads](int64_t t) {
+      return std::max<int64_t>(lens[t / tasks_per_seq], 0) + kTaskCostTokens;
+    };
+  }
 };
 
 // Asks for one K or V row (its cache lines) ahead of its use (hints T0, T1, T2 and NTA timed the same here).
@@ -378,7 +393,7 @@ void decode_avx2(
   const int64_t heads_per_task = whole ? view.num_kv_heads : 1;
   const int64_t num_tasks = view.num_seqs * (view.num_kv_heads / heads_per_task);
 
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for_by_cost(num_tasks, view.task_cost(heads_per_task), [&](int64_t begin, int64_t end) {
     const auto d = view;
     const int64_t tasks_per_seq = d.num_kv_heads / heads_per_task;
     // Task t: sequence t / tasks_per_seq, heads [h0, h0 + heads_per_task).
@@ -514,7 +529,7 @@ void decode_avx512(
   constexpr int64_t head_dim = 16 * C;
   const DecodeView<q_t, kv_t> view(out, query, kv_cache, block_tables, seq_lens);
 
-  at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for_by_cost(view.num_seqs * view.num_kv_heads, view.task_cost(), [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
     RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
     const int64_t group = G > 0 ? G : d.group;
@@ -618,7 +633,7 @@ void decode_avx512_bf16(
   const DecodeView<bf16, bf16> view(out, query, kv_cache, block_tables, seq_lens);
   const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
 
-  at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for_by_cost(view.num_seqs * view.num_kv_heads, view.task_cost(), [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
     RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
     const int64_t group = G > 0 ? G : d.group;
@@ -724,7 +739,7 @@ void decode_avx512_int8(
   constexpr int W = C / 2;  // 32-code int16 vectors per row
   const DecodeView<q_t, int8_t> view(out, query, kv_cache, block_tables, seq_lens);
 
-  at::parallel_for(0, view.num_seqs * view.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for_by_cost(view.num_seqs * view.num_kv_heads, view.task_cost(), [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
     RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
     const int64_t group = G > 0 ? G : d.group;
