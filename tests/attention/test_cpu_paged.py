@@ -144,8 +144,23 @@ def compare_step(
 def test_decode_rows_every_dtype_and_block_size(name: str, dtype: torch.dtype, tol: float, block_size: int) -> None:
     # The AVX-512 decode kernel scores keys in runs of up to 16 within a block and prefetches two blocks
     # ahead: blocks smaller and larger than a run, lengths on, before and past block edges, one-token contexts.
-    seq_lens = [1, 3, 4, 5, 15, 16, 17, 31, 32, 33, 64, 130, 200]
+    seq_lens = [1, 3, 4, 5, 15, 16, 17, 31, 32, 33, 64, 130, 200, 300, 600]  # past 256: partitions (AVX2)
     compare_step(name, dtype, tol, [1] * len(seq_lens), seq_lens, block_size=block_size, seed=block_size)
+
+
+@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
+@pytest.mark.parametrize("seq_lens", [[257], [600], [1000], [600, 3]])
+def test_long_sequences_alone_match_the_reference(
+    name: str, dtype: torch.dtype, tol: float, seq_lens: list[int]
+) -> None:
+    # On 2 threads the AVX2 kernel reads a sequence past 256 tokens as partitions merged at the end: 2 or 3 of
+    # them take one task per KV head each, 4 and more (or a second sequence) one task per partition.
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        compare_step(name, dtype, tol, [1] * len(seq_lens), seq_lens, seed=len(seq_lens))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
@@ -168,11 +183,12 @@ def test_decode_every_query_group_size(
 def test_decode_of_a_batch_equals_each_sequence_alone(
     kv_dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int
 ) -> None:
-    # The AVX2 kernel gives a task a whole sequence (all its KV heads) when the batch has 2 sequences a thread,
-    # and one KV head otherwise; a sequence alone takes the second split, the batch the first. Both must give
-    # the same bits, or greedy output would change with the batch mix. Shuffled blocks of a NaN-poisoned pool.
+    # The AVX2 kernel gives a task a whole sequence (all its KV heads) when the batch has 2 tasks a thread,
+    # and one KV head otherwise; a sequence alone takes the second split, the batch the first (past 256 tokens
+    # in partitions, in both). Both must give the same bits, or greedy output would change with the batch mix.
+    # Shuffled blocks of a NaN-poisoned pool.
     gen = torch.Generator().manual_seed(head_dim + num_heads)
-    seq_lens = [1, 17, 200, 5, 64, 33, 130, 2, 16, 47]
+    seq_lens = [1, 17, 200, 5, 64, 33, 130, 2, 16, 47, 700, 256, 257, 513]
     need = [-(-n // 16) for n in seq_lens]
     cache = torch.full((2, sum(need) + 2, 16, num_kv_heads, head_dim), float("nan"), dtype=kv_dtype)
     order = torch.randperm(cache.shape[1], generator=gen).tolist()
@@ -188,12 +204,17 @@ def test_decode_of_a_batch_equals_each_sequence_alone(
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     ops = cpu_paged.load_cpu_ops()
     batch = torch.empty_like(query)
-    ops.paged_decode(batch, query, cache, tables, lens, head_dim**-0.5)
-    assert not batch.isnan().any()
-    for b in range(len(seq_lens)):
-        alone = torch.empty_like(query[b : b + 1])
-        ops.paged_decode(alone, query[b : b + 1], cache, tables[b : b + 1], lens[b : b + 1], head_dim**-0.5)
-        assert torch.equal(alone, batch[b : b + 1]), f"sequence {b} (length {seq_lens[b]})"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the batch splits by sequence, a sequence alone by KV head
+        ops.paged_decode(batch, query, cache, tables, lens, head_dim**-0.5)
+        assert not batch.isnan().any()
+        for b in range(len(seq_lens)):
+            alone = torch.empty_like(query[b : b + 1])
+            ops.paged_decode(alone, query[b : b + 1], cache, tables[b : b + 1], lens[b : b + 1], head_dim**-0.5)
+            assert torch.equal(alone, batch[b : b + 1]), f"sequence {b} (length {seq_lens[b]})"
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])

@@ -355,9 +355,104 @@ struct TokenPairs {
 };
 
 #if defined(STREAMKV_AVX2_KV)
-// How many sequences a thread must have before decode_avx2 gives each task a whole sequence (all its KV heads)
-// rather than one KV head: below it, Hkv tasks a sequence keep a small batch spread over the threads.
-constexpr int64_t kSequencesPerThread = 2;
+// How many tasks a thread must have before decode_avx2 gives each task all of a sequence's KV heads rather than
+// one: below it, Hkv tasks a sequence (or partition) keep a small batch spread over the threads.
+constexpr int64_t kTasksPerThread = 2;
+
+// Sequences longer than this many tokens are read as partitions of at most this many in whole blocks (one block
+// when blocks are larger), each a task of its own whose partial softmax sums are merged at the end (the split-K
+// of flash-decoding): one long conversation then spreads over every thread, where one task per KV head left a
+// thread with 2 of SmolLM2's 3 heads and the other with 1. The partitions depend on the sequence's length and the
+// block size alone, so its result does not depend on its batch.
+constexpr int64_t kPartitionTokens = 256;
+
+// One task of decode_avx2: KV heads [h0, h0 + heads) of one sequence, over blocks [j0, j1) of its table.
+struct DecodeTask {
+  int64_t seq, h0, j0, j1;
+  int64_t partition;  // its slot among the partial results, or -1 when it covers the whole sequence
+};
+
+// decode_avx2's tasks, in order: by sequence, then KV heads, then partitions.
+class DecodeTasks {
+ public:
+  int64_t heads_per_task = 1;  // all of a sequence's KV heads, or one
+  int64_t partitions = 0;      // tasks that cover part of a sequence
+  int64_t max_keys = 0;        // the most tokens a task reads
+
+  template <typename View>
+  explicit DecodeTasks(const View& d) : block_size_(d.block_size), len_(d.len_ptr) {
+    const int64_t part_blocks = std::max<int64_t>(1, kPartitionTokens / d.block_size);
+    auto parts = [&](int64_t b) {
+      return d.len_ptr[b] <= kPartitionTokens ? 1 : (blocks(b) + part_blocks - 1) / part_blocks;
+    };
+    int64_t whole_tasks = 0;
+    for (int64_t b = 0; b < d.num_seqs; ++b) whole_tasks += parts(b);
+    heads_per_task = whole_tasks >= kTasksPerThread * at::get_num_threads() ? d.num_kv_heads : 1;
+    for (int64_t b = 0; b < d.num_seqs; ++b) {
+      const int64_t n = blocks(b), p_count = parts(b), p_blocks = p_count > 1 ? part_blocks : n;
+      max_keys = std::max(max_keys, std::min<int64_t>(std::max<int64_t>(d.len_ptr[b], 0), p_blocks * block_size_));
+      for (int64_t h0 = 0; h0 < d.num_kv_heads; h0 += heads_per_task)
+        for (int64_t p = 0; p < p_count; ++p)
+          tasks_.push_back({b, h0, p * p_blocks, std::min(n, (p + 1) * p_blocks), p_count > 1 ? partitions++ : -1});
+    }
+  }
+  int64_t size() const { return static_cast<int64_t>(tasks_.size()); }
+  const DecodeTask& operator[](int64_t t) const { return tasks_[t]; }
+
+  // parallel_for_by_cost's cost of task t: its tokens, and kTaskCostTokens.
+  auto cost() const {
+    return [this](int64_t t) {
+      const DecodeTask& k = tasks_[t];
+      const int64_t keys = std::min<int64_t>(len_[k.seq], k.j1 * block_size_) - k.j0 * block_size_;
+      return std::max<int64_t>(keys, 0) + kTaskCostTokens;
+    };
+  }
+
+  // The output rows of every partitioned sequence from its partitions' results, in partition order:
+  // out = sum_p acc_p e^(m_p - m) / sum_p total_p e^(m_p - m), m = max_p m_p, where a partition's slot holds
+  // `rows` rows of head_dim sums acc_p, then their maxima m_p, then their totals total_p (sums of e^(s - m_p)).
+  template <typename View>
+  void merge(const View& d, const float* partials, int64_t rows, int64_t head_dim) const {
+    std::vector<int64_t> runs;  // first task of each run of one sequence's (and head's) partitions
+    for (int64_t t = 0; t < size(); ++t)
+      if (tasks_[t].partition >= 0 && (t == 0 || tasks_[t - 1].partition < 0 || tasks_[t - 1].seq != tasks_[t].seq ||
+                                       tasks_[t - 1].h0 != tasks_[t].h0))
+        runs.push_back(t);
+    const int64_t stride = rows * (head_dim + 2);
+    at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> num(head_dim);
+      for (int64_t r = begin; r < end; ++r) {
+        const DecodeTask& first = tasks_[runs[r]];
+        int64_t count = 0;
+        while (runs[r] + count < size() && tasks_[runs[r] + count].seq == first.seq &&
+               tasks_[runs[r] + count].h0 == first.h0)
+          ++count;
+        const float* slots = partials + first.partition * stride;  // the run's partitions are consecutive slots
+        for (int64_t row = 0; row < rows; ++row) {
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t p = 0; p < count; ++p) m = std::max(m, slots[p * stride + rows * head_dim + row]);
+          float den = 0;
+          std::fill(num.begin(), num.end(), 0.f);
+          for (int64_t p = 0; p < count; ++p) {
+            const float* slot = slots + p * stride;
+            const float w = std::exp(slot[rows * head_dim + row] - m);
+            den += slot[rows * (head_dim + 1) + row] * w;
+            for (int64_t x = 0; x < head_dim; ++x) num[x] += slot[row * head_dim + x] * w;
+          }
+          auto* dst = d.o_ptr + first.seq * d.o_stride_s + (first.h0 * d.group + row) * d.o_stride_h;
+          using q_t = std::remove_reference_t<decltype(*dst)>;
+          for (int64_t x = 0; x < head_dim; ++x) dst[x] = static_cast<q_t>(num[x] / den);
+        }
+      }
+    });
+  }
+
+ private:
+  int64_t blocks(int64_t b) const { return (std::max<int64_t>(len_[b], 0) + block_size_ - 1) / block_size_; }
+  int64_t block_size_;
+  const int32_t* len_;
+  std::vector<DecodeTask> tasks_;
+};
 
 // The next block a task reads after the one in hand, for asking ahead: its row of the task's first head at slot 0,
 // and how many heads' rows of each slot (contiguous from there) the task reads. heads == 0: none.
@@ -368,8 +463,9 @@ struct NextBlock {
 };
 
 // decode_avx512's contract on AVX2 (8 lanes, 16 vector registers), for fp32 and bf16 K/V rows of head_dim == 8 * C
-// and a constant query group G (1-4). A task is one sequence's KV heads [h0, h1): all of them when the batch has
-// kSequencesPerThread sequences a thread, else one. It walks its blocks in table order, K blocks then V blocks:
+// and a constant query group G (1-4). A task (DecodeTasks) is one sequence's KV heads [h0, h1) over its blocks, or
+// over one partition of them past kPartitionTokens: all heads when the batch has kTasksPerThread such tasks a
+// thread, else one. It walks its blocks in table order, K blocks then V blocks:
 // - a block's rows of all Hkv heads are one contiguous span (block_size * Hkv * D values), so a task of a whole
 //   sequence reads each span once, front to back, and the hardware prefetchers follow it; one head a task reads
 //   1 row in Hkv and comes back for the others (fp32, 30 layers' pools from memory, B=64 x 192-token contexts:
@@ -381,7 +477,10 @@ struct NextBlock {
 //   depend on the task split); the slice width is a constant so the sums never spill (a run-time width spilled
 //   all 12 to the stack at every token: 379 -> 328-341 us a layer, one thread, with the rows in L2);
 // - while it reads a block, the task asks for the next one's rows (NextBlock): in pass 1 the slots of the keys it
-//   scores, in pass 2 a share of the slots at each head.
+//   scores, in pass 2 a share of the slots at each head;
+// - a partition leaves its sums, max and total in `partials`; DecodeTasks::merge writes the sequence's output
+//   (30 layers' pools from memory, one sequence of 2,000 / 4,000 tokens: 9.28 -> 7.05 / 19.17 -> 13.97 ms; an
+//   engine decode step: 0.90 / 0.82 of before; docs/benchmarks.md, "Round 13").
 template <int C, int G, typename q_t, typename kv_t>
 void decode_avx2(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
@@ -389,20 +488,21 @@ void decode_avx2(
   constexpr int64_t head_dim = 8 * C;
   constexpr int S = std::max(1, std::min(C, (15 - G) / G));  // pass 2: G * S sums, G weights, one V vector
   const DecodeView<q_t, kv_t> view(out, query, kv_cache, block_tables, seq_lens);
-  const bool whole = view.num_seqs >= kSequencesPerThread * at::get_num_threads();
-  const int64_t heads_per_task = whole ? view.num_kv_heads : 1;
-  const int64_t num_tasks = view.num_seqs * (view.num_kv_heads / heads_per_task);
+  const DecodeTasks tasks(view);
+  const int64_t heads_per_task = tasks.heads_per_task;
+  const int64_t rows_per_task = heads_per_task * G;  // query heads
+  const int64_t partial_stride = rows_per_task * (head_dim + 2);  // a partition's sums, then its maxima and totals
+  std::vector<float> partials(tasks.partitions * partial_stride);
+  // A task's scores: its keys, padded for the 8-key runs' stores (at most a partition's, not the longest sequence's).
+  const int64_t score_stride = (tasks.max_keys + 15) / 16 * 16 + 16;
 
-  parallel_for_by_cost(num_tasks, view.task_cost(heads_per_task), [&](int64_t begin, int64_t end) {
+  parallel_for_by_cost(tasks.size(), tasks.cost(), [&](int64_t begin, int64_t end) {
     const auto d = view;
-    const int64_t tasks_per_seq = d.num_kv_heads / heads_per_task;
-    // Task t: sequence t / tasks_per_seq, heads [h0, h0 + heads_per_task).
+    // Task t's first block: its row of the task's first head at slot 0 (for asking ahead).
     auto first_block = [&](int64_t t) -> NextBlock<kv_t> {
-      if (t >= end) return {};
-      const int64_t b = t / tasks_per_seq;
-      if (d.len_ptr[b] == 0) return {};
-      const int64_t h0 = (t % tasks_per_seq) * heads_per_task;
-      return {d.kv_ptr + d.bt_ptr[b * d.bt_stride] * d.block_stride + h0 * d.row, heads_per_task};
+      if (t >= end || tasks[t].j0 >= tasks[t].j1) return {};
+      const DecodeTask& n = tasks[t];
+      return {d.kv_ptr + d.bt_ptr[n.seq * d.bt_stride + n.j0] * d.block_stride + n.h0 * d.row, heads_per_task};
     };
     // Ask for slots [from, to) of `next`: each slot's rows of the task's heads, one contiguous span.
     auto ask = [&](const NextBlock<kv_t>& next, int64_t from, int64_t to) {
@@ -410,31 +510,33 @@ void decode_avx2(
         prefetch_row(next.row0 + slot * d.slot_stride, next.heads * d.row_bytes);
     };
     // The task's queries, sums and scores: q[i][g] is query head (h0 + i) * G + g's vector, scaled.
-    std::vector<float> buffers(2 * heads_per_task * G * head_dim + 8), scores(heads_per_task * G * d.padded_len);
+    std::vector<float> buffers(2 * rows_per_task * head_dim + 8), scores(rows_per_task * score_stride);
     auto* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffers.data()) + 31) & ~uintptr_t(31));
     auto* q = reinterpret_cast<float(*)[G][head_dim]>(aligned);
-    auto* acc = reinterpret_cast<float(*)[G][head_dim]>(aligned + heads_per_task * G * head_dim);
-    std::vector<std::array<float, G>> inv_sum(heads_per_task);
-    auto score_row = [&](int64_t i, int g) { return scores.data() + (i * G + g) * d.padded_len; };
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / tasks_per_seq, h0 = (task % tasks_per_seq) * heads_per_task;
+    auto* acc = reinterpret_cast<float(*)[G][head_dim]>(aligned + rows_per_task * head_dim);
+    std::vector<std::array<float, G>> total(heads_per_task), top(heads_per_task);
+    auto score_row = [&](int64_t i, int g) { return scores.data() + (i * G + g) * score_stride; };
+    for (int64_t t = begin; t < end; ++t) {
+      const DecodeTask& task = tasks[t];
+      const int64_t b = task.seq, h0 = task.h0, j0 = task.j0, j1 = task.j1;
       const int64_t len = d.len_ptr[b];
-      if (len == 0) {  // no keys: 0 / 0, NaN, as decode_generic gives
-        for (int64_t i = 0; i < heads_per_task * G; ++i)
+      if (j0 >= j1) {  // no keys: 0 / 0, NaN, as decode_generic gives
+        for (int64_t i = 0; i < rows_per_task; ++i)
           std::fill_n(d.o_ptr + b * d.o_stride_s + (h0 * G + i) * d.o_stride_h, head_dim,
                       static_cast<q_t>(std::numeric_limits<float>::quiet_NaN()));
         continue;
       }
       const int32_t* table = d.bt_ptr + b * d.bt_stride;
-      const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
+      const int64_t first_token = j0 * d.block_size;
+      const int64_t keys = std::min(len, j1 * d.block_size) - first_token;  // the task's tokens
       // Logical block j's row of head h0 at slot 0, K (half 0) or V (half 1).
       auto block_row = [&](int64_t j, int half) {
         return d.kv_ptr + half * d.v_offset + table[j] * d.block_stride + h0 * d.row;
       };
       auto next_block = [&](int64_t j, int half) -> NextBlock<kv_t> {
-        if (j + 1 < num_blocks) return {block_row(j + 1, half), heads_per_task};
-        if (half == 0) return {block_row(0, 1), heads_per_task};
-        return first_block(task + 1);
+        if (j + 1 < j1) return {block_row(j + 1, half), heads_per_task};
+        if (half == 0) return {block_row(j0, 1), heads_per_task};
+        return first_block(t + 1);
       };
       for (int64_t i = 0; i < heads_per_task; ++i)
         for (int g = 0; g < G; ++g) {
@@ -442,7 +544,7 @@ void decode_avx2(
           for (int64_t x = 0; x < head_dim; ++x) q[i][g][x] = static_cast<float>(src[x]) * static_cast<float>(scale);
         }
       // Pass 1: scores[i, g, p] = q_ig . k_p, 8 keys of a block at a time, every head of the task.
-      for (int64_t j = 0; j < num_blocks; ++j) {
+      for (int64_t j = j0; j < j1; ++j) {
         const kv_t* base = block_row(j, 0);
         const NextBlock<kv_t> next = next_block(j, 0);
         const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
@@ -468,19 +570,20 @@ void decode_avx2(
 #pragma GCC unroll 8
                 for (int k = 0; k < 8; ++k) part[k] = _mm256_fmadd_ps(qc, load8(key[k] + 8 * c), part[k]);
               }
-              _mm256_storeu_ps(score_row(i, g) + j * d.block_size + k0, reduce8(part));
+              _mm256_storeu_ps(score_row(i, g) + (j - j0) * d.block_size + k0, reduce8(part));
             }
           }
         }
       }
-      // Softmax per query head (exp8 is exp16's arithmetic); scores past len are never read.
+      // exp(score - the task's max) per query head (exp8 is exp16's arithmetic); scores past `keys` are never read.
       for (int64_t i = 0; i < heads_per_task; ++i)
-        for (int g = 0; g < G; ++g) inv_sum[i][g] = softmax8(score_row(i, g), len);
-      // Pass 2: acc_ig += softmax_igp * v_p, block by block, each head's slices of S vectors (the last C % S wide).
-      for (int64_t j = 0; j < num_blocks; ++j) {
+        for (int g = 0; g < G; ++g) total[i][g] = exp_scores8(score_row(i, g), keys, &top[i][g]);
+      // Pass 2: acc_ig += exp_igp * v_p, block by block, each head's slices of S vectors (the last C % S wide).
+      for (int64_t j = j0; j < j1; ++j) {
         const kv_t* base = block_row(j, 1);
         const NextBlock<kv_t> next = next_block(j, 1);
         const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
+        const int64_t offset = (j - j0) * d.block_size;
         for (int64_t i = 0; i < heads_per_task; ++i) {
           // The next block's i-th share of slots, every head's rows of them: the whole next block has been
           // asked for by the time the task's last head starts on this one.
@@ -489,12 +592,12 @@ void decode_avx2(
             __m256 a[G][W];
             for (int g = 0; g < G; ++g)
               for (int c = 0; c < W; ++c)
-                a[g][c] = j == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc[i][g] + 8 * (c0 + c));
+                a[g][c] = j == j0 ? _mm256_setzero_ps() : _mm256_load_ps(acc[i][g] + 8 * (c0 + c));
             const kv_t* rows = base + i * d.row + 8 * c0;
             for (int64_t k = 0; k < block_len; ++k) {
               const kv_t* v = rows + k * d.slot_stride;
               __m256 wt[G];
-              for (int g = 0; g < G; ++g) wt[g] = _mm256_broadcast_ss(score_row(i, g) + j * d.block_size + k);
+              for (int g = 0; g < G; ++g) wt[g] = _mm256_broadcast_ss(score_row(i, g) + offset + k);
               for (int c = 0; c < W; ++c) {
                 const __m256 vc = load8(v + 8 * c);
                 for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(wt[g], vc, a[g][c]);
@@ -507,13 +610,25 @@ void decode_avx2(
           if constexpr (C % S != 0) slice.template operator()<C % S>(C - C % S);
         }
       }
-      for (int64_t i = 0; i < heads_per_task; ++i)
-        for (int g = 0; g < G; ++g) {
-          q_t* dst = d.o_ptr + b * d.o_stride_s + ((h0 + i) * G + g) * d.o_stride_h;
-          for (int64_t x = 0; x < head_dim; ++x) dst[x] = static_cast<q_t>(acc[i][g][x] * inv_sum[i][g]);
-        }
+      if (task.partition < 0) {  // the whole sequence: the output
+        for (int64_t i = 0; i < heads_per_task; ++i)
+          for (int g = 0; g < G; ++g) {
+            q_t* dst = d.o_ptr + b * d.o_stride_s + ((h0 + i) * G + g) * d.o_stride_h;
+            const float inv_sum = 1.f / total[i][g];
+            for (int64_t x = 0; x < head_dim; ++x) dst[x] = static_cast<q_t>(acc[i][g][x] * inv_sum);
+          }
+      } else {  // one partition of it: its sums, max and total, merged below
+        float* slot = partials.data() + task.partition * partial_stride;
+        for (int64_t i = 0; i < heads_per_task; ++i)
+          for (int g = 0; g < G; ++g) {
+            std::copy_n(acc[i][g], head_dim, slot + (i * G + g) * head_dim);
+            slot[rows_per_task * head_dim + i * G + g] = top[i][g];
+            slot[rows_per_task * (head_dim + 1) + i * G + g] = total[i][g];
+          }
+      }
     }
   });
+  tasks.merge(view, partials.data(), rows_per_task, head_dim);
 }
 #endif
 

@@ -53,8 +53,8 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// s[0, len) = exp(s - max s) in place (fp32, exp8); returns 1 / their sum. len >= 1.
-inline float softmax8(float* s, int64_t len) {
+// s[0, len) = exp(s - max s) in place (fp32, exp8); returns their sum and sets *max_out to max s. len >= 1.
+inline float exp_scores8(float* s, int64_t len, float* max_out) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t p = 0;
   if (len >= 8) {
@@ -78,7 +78,14 @@ inline float softmax8(float* s, int64_t len) {
     _mm256_store_ps(e, exp8(_mm256_load_ps(t)));
     for (int64_t i = p; i < len; ++i) sum += s[i] = e[i - p];
   }
-  return 1.f / sum;
+  *max_out = mx;
+  return sum;
+}
+
+// s[0, len) = exp(s - max s) in place (fp32, exp8); returns 1 / their sum. len >= 1.
+inline float softmax8(float* s, int64_t len) {
+  float mx;
+  return 1.f / exp_scores8(s, len, &mx);
 }
 
 #endif

@@ -9,7 +9,7 @@
 // f(begin, end) once for each thread's share of the tasks [0, n): contiguous ranges, in order, cut where the
 // running total of cost(i) crosses each thread's equal part (a task goes to the thread that holds its middle).
 // at::parallel_for cuts equal counts instead: with sequences of unequal lengths one thread is left with most of
-// the tokens and the other waits at the barrier. With equal costs the cuts are at::parallel_for's.
+// the tokens and the other waits at the barrier. With equal costs the runs are as even as counts allow.
 template <typename Cost, typename F>
 void parallel_for_by_cost(int64_t n, const Cost& cost, const F& f) {
   if (n <= 0) return;
