@@ -37,6 +37,12 @@ namespace {
 // softmax's end, its output), counted as one block's tokens.
 constexpr int64_t kTaskCostTokens = 16;
 
+// parallel_for_by_cost's cost of task t when each task is one (sequence, KV head): the sequence's tokens, and
+// kTaskCostTokens.
+inline auto seq_head_cost(const int32_t* lens, int64_t num_kv_heads) {
+  return [lens, num_kv_heads](int64_t t) { return std::max<int64_t>(lens[t / num_kv_heads], 0) + kTaskCostTokens; };
+}
+
 using namespace streamkv;
 
 template <typename kv_t>
@@ -80,8 +86,7 @@ void decode_generic(
   int64_t max_len = 0;
   for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max<int64_t>(max_len, len_ptr[b]);
 
-  const auto cost = [&](int64_t t) { return std::max<int64_t>(len_ptr[t / num_kv_heads], 0) + kTaskCostTokens; };
-  parallel_for_by_cost(num_seqs * num_kv_heads, cost, [&](int64_t begin, int64_t end) {
+  parallel_for_by_cost(num_seqs * num_kv_heads, seq_head_cost(len_ptr, num_kv_heads), [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * max_len);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
@@ -255,13 +260,6 @@ struct DecodeView {
     max_len = 0;
     for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max<int64_t>(max_len, len_ptr[b]);
     padded_len = (max_len + 15) / 16 * 16 + 16;
-  }
-
-  // The cost of task t when each task is one sequence's `heads` consecutive KV heads (parallel_for_by_cost).
-  auto task_cost(int64_t heads = 1) const {
-    return [lens = len_ptr, tasks_per_seq = num_kv_heads / heads](int64_t t) {
-      return std::max<int64_t>(lens[t / tasks_per_seq], 0) + kTaskCostTokens;
-    };
   }
 };
 
@@ -644,7 +642,8 @@ void decode_avx512(
   constexpr int64_t head_dim = 16 * C;
   const DecodeView<q_t, kv_t> view(out, query, kv_cache, block_tables, seq_lens);
 
-  parallel_for_by_cost(view.num_seqs * view.num_kv_heads, view.task_cost(), [&](int64_t begin, int64_t end) {
+  parallel_for_by_cost(view.num_seqs * view.num_kv_heads, seq_head_cost(view.len_ptr, view.num_kv_heads),
+                       [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
     RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
     const int64_t group = G > 0 ? G : d.group;
@@ -748,7 +747,8 @@ void decode_avx512_bf16(
   const DecodeView<bf16, bf16> view(out, query, kv_cache, block_tables, seq_lens);
   const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
 
-  parallel_for_by_cost(view.num_seqs * view.num_kv_heads, view.task_cost(), [&](int64_t begin, int64_t end) {
+  parallel_for_by_cost(view.num_seqs * view.num_kv_heads, seq_head_cost(view.len_ptr, view.num_kv_heads),
+                       [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
     RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
     const int64_t group = G > 0 ? G : d.group;
@@ -854,7 +854,8 @@ void decode_avx512_int8(
   constexpr int W = C / 2;  // 32-code int16 vectors per row
   const DecodeView<q_t, int8_t> view(out, query, kv_cache, block_tables, seq_lens);
 
-  parallel_for_by_cost(view.num_seqs * view.num_kv_heads, view.task_cost(), [&](int64_t begin, int64_t end) {
+  parallel_for_by_cost(view.num_seqs * view.num_kv_heads, seq_head_cost(view.len_ptr, view.num_kv_heads),
+                       [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
     RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
     const int64_t group = G > 0 ? G : d.group;
