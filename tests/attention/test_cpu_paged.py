@@ -465,6 +465,31 @@ def test_int8_write_kv_gives_the_torch_quantizers_bytes() -> None:
         ops.write_kv(poisoned_cache("int8", 4, 4, 3, 64), key.half(), value.half(), slots)
 
 
+def test_fp32_write_kv_into_a_bf16_cache_rounds_as_torch_casts() -> None:
+    # An fp32 model's --kv-cache-dtype bfloat16: the op rounds each value to nearest-even as torch's cast does,
+    # in 8-lane runs and a scalar tail (head dim 20), ties, NaN, infinities and values past bf16's range included.
+    ops = cpu_paged.load_cpu_ops()
+    gen = torch.Generator().manual_seed(4)
+    for head_dim in (64, 20):
+        key = torch.randn(5, 3, head_dim, generator=gen) * torch.logspace(-30, 30, 5)[:, None, None]
+        value = torch.randn(5, 3, head_dim, generator=gen)
+        # the bits of halfway cases both ways, the largest float and two subnormals (-0x7FFE8000 is 0x80018000)
+        ties = torch.tensor([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00008000, -0x7FFE8000], dtype=torch.int32)
+        value[0, 0, :5] = ties.view(torch.float32)
+        value[1, 1, 2] = float("nan")
+        value[2, 2, 0], value[2, 2, 1] = float("inf"), float("-inf")
+        slots = torch.tensor([9, 0, 3, 14, 5])
+        want = poisoned_cache("bfloat16", 4, 4, 3, head_dim)
+        write_kv(want, slots, key.bfloat16(), value.bfloat16())
+        got = poisoned_cache("bfloat16", 4, 4, 3, head_dim)
+        ops.write_kv(got, key, value, slots)
+        nan = want.isnan()  # torch's vectorised cast makes a NaN 0xFFFF, c10's scalar one 0x7FC0: NaN either way
+        assert torch.equal(got.isnan(), nan) and got[1].view(16, 3, head_dim)[slots[1], 1, 2].isnan(), head_dim
+        assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]), head_dim
+    with pytest.raises(RuntimeError, match="differs from the cache"):
+        ops.write_kv(poisoned_cache("float32", 4, 4, 3, 64), key.bfloat16(), value.bfloat16(), slots)
+
+
 def test_write_kv_refuses_a_slot_outside_the_pool_before_writing_any() -> None:
     ops = cpu_paged.load_cpu_ops()
     kv = torch.zeros(2, 2, 4, 3, 8)  # 8 slots

@@ -461,7 +461,10 @@ struct NextBlock {
 };
 
 // decode_avx512's contract on AVX2 (8 lanes, 16 vector registers), for fp32 and bf16 K/V rows of head_dim == 8 * C
-// and a constant query group G (1-4). A task (DecodeTasks) is one sequence's KV heads [h0, h1) over its blocks, or
+// and a constant query group G (1-4), and for int8 / fp8 rows (load8 widens the codes to fp32; the key's scale
+// multiplies its score, the V row's its softmax weight, as decode_avx512 applies them; 30 layers' int8 pools,
+// B=32 x 192 tokens: 39.8 ms on the portable loop, 7.8 here, against 22.5 for fp32 rows; docs/benchmarks.md,
+// "Round 14"). A task (DecodeTasks) is one sequence's KV heads [h0, h1) over its blocks, or
 // over one partition of them past kPartitionTokens: all heads when the batch has kTasksPerThread such tasks a
 // thread, else one. It walks its blocks in table order, K blocks then V blocks:
 // - a block's rows of all Hkv heads are one contiguous span (block_size * Hkv * D values), so a task of a whole
@@ -568,7 +571,9 @@ void decode_avx2(
 #pragma GCC unroll 8
                 for (int k = 0; k < 8; ++k) part[k] = _mm256_fmadd_ps(qc, load8(key[k] + 8 * c), part[k]);
               }
-              _mm256_storeu_ps(score_row(i, g) + (j - j0) * d.block_size + k0, reduce8(part));
+              __m256 sc = reduce8(part);
+              if constexpr (is_quantized<kv_t>) sc = _mm256_mul_ps(sc, row_scales8(key, head_dim));
+              _mm256_storeu_ps(score_row(i, g) + (j - j0) * d.block_size + k0, sc);
             }
           }
         }
@@ -595,7 +600,12 @@ void decode_avx2(
             for (int64_t k = 0; k < block_len; ++k) {
               const kv_t* v = rows + k * d.slot_stride;
               __m256 wt[G];
-              for (int g = 0; g < G; ++g) wt[g] = _mm256_broadcast_ss(score_row(i, g) + offset + k);
+              if constexpr (is_quantized<kv_t>) {
+                const float vs = row_scale(v - 8 * c0, head_dim);  // the row's scale, after its codes
+                for (int g = 0; g < G; ++g) wt[g] = _mm256_set1_ps(score_row(i, g)[offset + k] * vs);
+              } else {
+                for (int g = 0; g < G; ++g) wt[g] = _mm256_broadcast_ss(score_row(i, g) + offset + k);
+              }
               for (int c = 0; c < W; ++c) {
                 const __m256 vc = load8(v + 8 * c);
                 for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(wt[g], vc, a[g][c]);
@@ -1029,7 +1039,9 @@ void decode_kernel(
   }
 #endif
 #if defined(STREAMKV_AVX2_KV)
-  if constexpr (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, at::BFloat16>) {
+  // fp32 / bf16 rows, and int8 / fp8 rows under fp32 queries (an AVX2 model computes in fp32; bf16 queries on
+  // quantized rows take the portable loop).
+  if constexpr (!is_quantized<kv_t> || std::is_same_v<q_t, float>) {
     auto avx2 = [&]<int C>() {
       switch (group) {
         case 1: decode_avx2<C, 1, q_t, kv_t>(out, query, kv_cache, block_tables, seq_lens, scale); return true;
@@ -1093,6 +1105,16 @@ void quantize_row_int8(const x_t* x, int64_t d, char* dst) {
     c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(c, c, _CMP_ORD_Q), c);  // NaN -> code 0
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
   }
+#elif defined(STREAMKV_AVX2_KV)
+  const __m256 div = _mm256_set1_ps(divisor), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  for (; i + 8 <= d; i += 8) {
+    __m256 c = _mm256_round_ps(_mm256_div_ps(load8(x + i), div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm256_min_ps(hi, _mm256_max_ps(lo, c));  // max / min return their second operand, c, when it is NaN
+    c = _mm256_and_ps(c, _mm256_cmp_ps(c, c, _CMP_ORD_Q));  // NaN -> code 0
+    const __m256i n = _mm256_cvtps_epi32(c);
+    const __m128i n16 = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(n16, n16));
+  }
 #endif
   for (; i < d; ++i) {
     const float c = std::nearbyint(to_float(x[i]) / divisor);
@@ -1101,12 +1123,33 @@ void quantize_row_int8(const x_t* x, int64_t d, char* dst) {
   std::memcpy(dst + d, &scale, sizeof(scale));
 }
 
+// n fp32 values -> bf16, round-to-nearest-even: the bits of torch's cast (the torch write path's) for every
+// number; a NaN stays NaN (0x7FC0, c10::BFloat16's scalar rule; torch's vectorised cast gives 0xFFFF).
+void to_bf16(const float* x, int64_t n, at::BFloat16* dst) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000),
+                                 _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    rounded = _mm256_srli_epi32(rounded, 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(x[i]);
+}
+
 }  // namespace
 
 // kv_cache[0 / 1].view(-1, Hkv, R)[slot_mapping[t]] = key / value[t]: a step's K and V rows written into their
 // slots (the torch path: two index_copy_ calls, ~10 us each per layer at a few tokens; for int8 also the ~10 ops
 // of kv_layout.quantize per tensor).
 // - Unquantized cache: key / value in the cache's dtype, one copy of each token's Hkv * D contiguous values.
+// - bf16 cache: fp32 key / value too, rounded as torch's cast rounds (an fp32 model's --kv-cache-dtype bfloat16).
 // - int8 cache (R = D + 4): fp32 or bf16 key / value, each (token, head) row quantized as kv_layout.quantize does.
 // Rows of one token contiguous.
 void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping) {
@@ -1114,6 +1157,7 @@ void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor 
               "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, R]");
   TORCH_CHECK(!kv_cache.is_cuda() && !key.is_cuda() && !value.is_cuda(), "CPU tensors only");
   const bool int8 = kv_cache.scalar_type() == at::kChar;
+  const bool narrow = kv_cache.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kFloat;  // fp32 -> bf16
   const int64_t hkv = kv_cache.size(3), row = kv_cache.size(4), d = int8 ? row - 4 : row;
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   const int64_t tokens = slot_mapping.size(0);
@@ -1123,8 +1167,9 @@ void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor 
     if (int8) {
       TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16,
                   "an int8 cache takes float32 or bfloat16 key / value");
-    } else {
-      TORCH_CHECK(x->scalar_type() == kv_cache.scalar_type(), "key / value dtype differs from the cache's");
+    } else if (!narrow) {
+      TORCH_CHECK(x->scalar_type() == kv_cache.scalar_type(),
+                  "key / value dtype differs from the cache's (and is not float32 into a bfloat16 cache)");
     }
     TORCH_CHECK(x->scalar_type() == key.scalar_type(), "key and value dtypes differ");
     TORCH_CHECK(x->dim() == 3 && x->size(0) == tokens && x->size(1) == hkv && x->size(2) == d,
@@ -1149,6 +1194,14 @@ void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor 
       quantize_rows.template operator()<float>();
     else
       quantize_rows.template operator()<at::BFloat16>();
+    return;
+  }
+  if (narrow) {
+    auto* dst = reinterpret_cast<at::BFloat16*>(base);
+    const float* src[2] = {key.data_ptr<float>(), value.data_ptr<float>()};
+    const int64_t stride[2] = {key.stride(0), value.stride(0)};
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int kv = 0; kv < 2; ++kv) to_bf16(src[kv] + t * stride[kv], hkv * d, dst + kv * half + slots[t] * hkv * d);
     return;
   }
   const int64_t elem = kv_cache.element_size(), row_bytes = hkv * d * elem;

@@ -291,9 +291,10 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 #endif
 
 #if defined(STREAMKV_AVX2_KV)
-// AVX2, fp32 / bf16 rows of head_dim == 8 * C, query group G (1-4): each query row attends as a decode query
-// does in decode_avx2 (the G heads of a row share each 8-key load and reduce8, softmax8, pass 2 in register
-// slices across the group); the task's rows share its K/V rows, which stay in L1/L2 between rows.
+// AVX2, fp32 / bf16 / int8 / fp8 rows of head_dim == 8 * C, query group G (1-4): each query row attends as a decode
+// query does in decode_avx2 (the G heads of a row share each 8-key load and reduce8, softmax8, pass 2 in register
+// slices across the group; a quantized row's scale times its score or weight); the task's rows share its K/V rows,
+// which stay in L1/L2 between rows.
 template <int C, int G, typename q_t, typename kv_t>
 void prefill_avx2(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, float scale) {
   constexpr int64_t D = 8 * C;
@@ -336,7 +337,9 @@ void prefill_avx2(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, fl
 #pragma GCC unroll 8
             for (int k = 0; k < 8; ++k) part[k] = _mm256_fmadd_ps(qc, load8(key[k] + 8 * c), part[k]);
           }
-          _mm256_storeu_ps(&scores[g * stride + p0], reduce8(part));
+          __m256 sc = reduce8(part);
+          if constexpr (is_quantized<kv_t>) sc = _mm256_mul_ps(sc, row_scales8(key, D));
+          _mm256_storeu_ps(&scores[g * stride + p0], sc);
         }
       }
       float inv_sum[G];
@@ -348,10 +351,11 @@ void prefill_avx2(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, fl
           for (int c = 0; c < S; ++c) a[g][c] = _mm256_setzero_ps();
         for (int64_t p = 0; p < visible; ++p) {
           const kv_t* v = keys[p] + L.v_offset + 8 * c0;
+          const float vs = row_scale(keys[p] + L.v_offset, D);  // 1 for unquantized rows
           __m256 vr[S];
           for (int c = 0; c < S; ++c) vr[c] = c < w ? load8(v + 8 * c) : _mm256_setzero_ps();
           for (int g = 0; g < G; ++g) {
-            const __m256 wt = _mm256_set1_ps(scores[g * stride + p]);
+            const __m256 wt = _mm256_set1_ps(scores[g * stride + p] * vs);
             for (int c = 0; c < S; ++c) a[g][c] = _mm256_fmadd_ps(wt, vr[c], a[g][c]);
           }
         }
@@ -453,7 +457,8 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
     }
 #endif
 #if defined(STREAMKV_AVX2_KV)
-    if constexpr (std::is_same_v<kv_t, float> || std::is_same_v<kv_t, at::BFloat16>) {
+    // fp32 / bf16 rows, and int8 / fp8 rows under fp32 queries (an AVX2 model computes in fp32), as paged_decode.
+    if constexpr (!is_quantized<kv_t> || std::is_same_v<q_t, float>) {
       auto avx2 = [&]<int C>() {
         switch (layout.group) {
           case 1: prefill_avx2<C, 1, q_t, kv_t>(layout, tasks, s); return true;
