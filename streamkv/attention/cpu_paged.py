@@ -33,10 +33,11 @@ loaded machine), so there is no case left for the torch path to win.
 
 The KV write of an unquantized cache is one C++ copy per token (``write_kv`` in
 the op set; the torch path's two ``index_copy_`` calls cost ~20 us a layer at a
-few tokens); an int8 cache's rows are quantized in the same op, byte for byte as
-``kv_layout.quantize`` does (its ~10 torch ops per tensor and layer cost more
-than the attention saved at few tokens); fp8 caches keep the torch write
-(``kv_layout.write_kv``). When the op cannot be built,
+few tokens); an fp32 model's bf16 cache gets its rows rounded in the same op,
+bit for bit as torch's cast rounds them; an int8 cache's rows are quantized in
+the same op, byte for byte as ``kv_layout.quantize`` does (its ~10 torch ops
+per tensor and layer cost more than the attention saved at few tokens); fp8
+caches keep the torch write (``kv_layout.write_kv``). When the op cannot be built,
 the engine never picks this backend (see :func:`cpu_ops_available`).
 """
 
@@ -80,9 +81,10 @@ class CpuPagedAttention(TorchPagedAttention):
         self._ops = ops
 
     def write(self, kv_cache: torch.Tensor, meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor) -> None:
-        """See :meth:`TorchPagedAttention.write`; in C++ for an unquantized cache of K/V's dtype and for int8.
+        """See :meth:`TorchPagedAttention.write`; in C++ for an unquantized cache (K/V's dtype, or bf16 of fp32), int8.
 
-        An int8 cache gets the bytes ``kv_layout.quantize`` would write (the op
+        A bf16 cache of fp32 K/V gets torch's round-to-nearest-even bits; an
+        int8 cache gets the bytes ``kv_layout.quantize`` would write (the op
         repeats its fp32 arithmetic); fp8 caches and other layouts take the
         torch path (``write_kv``).
 
@@ -90,6 +92,7 @@ class CpuPagedAttention(TorchPagedAttention):
             RuntimeError: a slot outside the pool (the op checks every slot before it writes).
         """
         same_dtype = kv_cache.dtype == key.dtype == value.dtype  # K/V are float: an unquantized cache
+        same_dtype |= kv_cache.dtype == torch.bfloat16 and key.dtype == value.dtype == torch.float32  # rounded
         int8 = kv_cache.dtype == torch.int8 and key.dtype == value.dtype and key.dtype in _INT8_WRITE_DTYPES
         if (
             (same_dtype or int8)

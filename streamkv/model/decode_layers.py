@@ -15,8 +15,8 @@ step (every sequence has one new token) whose rows all sample (the model was
 given no ``OutputRows``), no more rows than the small-batch
 matmul kernel takes (it runs every projection; int8 weights run on that
 kernel at every batch size, so then any batch), the C++ CPU attention backend,
-and a KV cache the op writes itself (the model's dtype, or int8). Anything
-else runs the layers one op at a time, as before.
+and a KV cache the op writes itself (the model's dtype, bf16 for an fp32
+model, or int8). Anything else (fp8) runs the layers one op at a time, as before.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ import torch
 from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.cpu_paged import CpuPagedAttention
 from streamkv.attention.metadata import AttentionMetadata
+
+# (cache, model) dtypes of the one mixed unquantized pair write_kv takes: fp32 K/V rounded into a bf16 cache.
+FP32_INTO_BF16 = (torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +89,7 @@ class DecodeLayers:
             meta.is_pure_decode
             and num_tokens <= self.max_rows
             and isinstance(backend, CpuPagedAttention)
-            and kv_cache.dtype in (self.dtype, torch.int8)
+            and (kv_cache.dtype in (self.dtype, torch.int8) or (kv_cache.dtype, self.dtype) == FP32_INTO_BF16)
         )
 
     def forward(

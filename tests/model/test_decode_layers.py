@@ -2,7 +2,7 @@
 
 The op runs the same kernels in the same order, so greedy tokens and their
 logprobs must be equal to the bit, over many decode steps, whatever the
-weights (fp32, bf16, int8), the KV cache (the model's dtype, int8) or the
+weights (fp32, bf16, int8), the KV cache (the model's dtype, bf16 for fp32, int8) or the
 head dim (the tiny model's 16 takes the portable attention kernel, SmolLM2's
 64 the vectorised ones).
 """
@@ -100,7 +100,7 @@ def test_smollm2_fp32_decodes_40_rows_the_same_on_the_op(smollm2: LoadedModel, f
     assert max(fast_calls) == 40
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8"])
 def test_tiny_llama_decodes_the_same_on_the_op(tiny: LoadedModel, fast_calls: list[int], kv_cache_dtype: str) -> None:
     check_same(tiny, fast_calls, kv_cache_dtype)
 
@@ -112,7 +112,7 @@ def test_tiny_qwen2_with_qkv_bias_in_bf16(tiny_model_dirs: dict[str, str], fast_
     check_same(loaded, fast_calls)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8"])
 def test_smollm2_fp32_decodes_the_same_on_the_op(
     smollm2: LoadedModel, fast_calls: list[int], kv_cache_dtype: str
 ) -> None:
@@ -130,9 +130,9 @@ def test_steps_the_op_cannot_run_keep_the_layer_path(smollm2: LoadedModel, fast_
     require_op(smollm2)
     fast = smollm2.model.model.decode_layers
     assert fast is not None and fast.max_rows == small_linear_max_rows(load_linear_ops(), torch.float32)
-    llm = LLM(loaded=smollm2, device="cpu", num_blocks=256, kv_cache_dtype="bfloat16", enable_prefix_caching=False)
+    llm = LLM(loaded=smollm2, device="cpu", num_blocks=256, kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False)
     llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    assert not fast_calls  # an fp32 model on a bf16 cache: the op would not write that cache itself
+    assert not fast_calls  # an fp8 cache: the op would not write that cache itself
     if fast.max_rows < sys.maxsize:  # an AVX2 build's fp32 kernel takes every batch: no step has too many rows
         rows = fast.max_rows + 1
         llm = LLM(loaded=smollm2, device="cpu", num_blocks=2 * rows, max_num_seqs=rows, enable_prefix_caching=False)
