@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 export TRITON_INTERPRET=0
-# kernels/ imports as streamkv.kernels only once installed (a package-dir mapping):
+# streamkv (and its Triton kernels, streamkv.kernels) must import:
 # install a bare checkout in place, offline (no build isolation, no dependencies).
 if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('streamkv.kernels') is None)" 2>/dev/null; then
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . || exit 1

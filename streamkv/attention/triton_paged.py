@@ -1,4 +1,4 @@
-"""Triton paged attention backend: an adapter over the kernels in ``kernels/``.
+"""Triton paged attention backend: an adapter over the kernels in ``streamkv/kernels/``.
 
 Importing this module imports triton; ``streamkv.attention`` deliberately does
 not, so the package loads on machines without it.
@@ -10,9 +10,7 @@ import torch
 
 from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata
-
-# kernels/ installs as streamkv.kernels (package-dir in pyproject.toml); mypy cannot follow that mapping
-from streamkv.kernels import paged_decode, paged_prefill, store_kv  # type: ignore[import-not-found]
+from streamkv.kernels import paged_decode, paged_prefill, store_kv
 
 
 class TritonPagedAttention(AttentionBackend):
