@@ -31,6 +31,18 @@ def hypotheses(res: CompletedRequest) -> list[tuple[list[int], float | None, str
     return [(o.token_ids, o.score, o.finish_reason) for o in res.outputs]
 
 
+def assert_same_hypotheses(got: CompletedRequest, want: list[tuple[list[int], float | None, str | None]]) -> None:
+    """The same beams (tokens, finish reasons, order) with the same scores, to fp32 rounding.
+
+    A prefill chunk of one row attends through the decode kernel, and on an AVX-512 build that kernel sums in
+    another order than the prefill kernel's: a score then differs from the unsplit run's in its last bits
+    (1e-7 relative), never in its tokens.
+    """
+    mine = hypotheses(got)
+    assert [(t, f) for t, _, f in mine] == [(t, f) for t, _, f in want]
+    assert [s for _, s, _ in mine] == pytest.approx([s for _, s, _ in want], rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny) -> list[tuple[list[int], float | None, str | None]]:
     llm = make_llm(tiny)
@@ -67,7 +79,7 @@ def run_stepwise(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[C
 def test_beams_share_blocks_and_free_pruned_ones(tiny, reference) -> None:
     llm = make_llm(tiny, enable_prefix_caching=False)  # no cached block may hide a leak
     res, seen = run_stepwise(llm, PROMPT, beam(ignore_eos=True))
-    assert hypotheses(res) == reference
+    assert_same_hypotheses(res, reference)
     assert len(seen) >= MAX_TOKENS - 1
     for physical, logical in seen[1:]:  # from the first fork on: WIDTH live beams
         assert physical < WIDTH * logical, (physical, logical)
@@ -90,7 +102,7 @@ def test_output_shape(tiny, reference) -> None:
 def test_beams_split_over_steps_give_the_same_hypotheses(tiny, reference, options) -> None:
     llm = make_llm(tiny, **options)
     (res,) = llm.generate([PROMPT], beam(ignore_eos=True))
-    assert hypotheses(res) == reference
+    assert_same_hypotheses(res, reference)
     assert_pool_whole(llm)
 
 
@@ -102,7 +114,7 @@ def test_preemption_keeps_the_hypotheses(tiny, reference, mode) -> None:
     outs = llm.generate([PROMPT, *others], [beam(ignore_eos=True), greedy(40), greedy(40)])
     sched = llm.core.scheduler.counters
     assert sched.preemptions_recompute + sched.preemptions_swap > 0
-    assert hypotheses(outs[0]) == reference
+    assert_same_hypotheses(outs[0], reference)
     alone = make_llm(tiny).generate(others, greedy(40))
     assert [o.outputs[0].token_ids for o in outs[1:]] == [o.outputs[0].token_ids for o in alone]
     assert_pool_whole(llm)
@@ -113,7 +125,7 @@ def test_greedy_neighbours_are_unchanged(tiny, reference) -> None:
     want = make_llm(tiny).generate(others, greedy(16))
     llm = make_llm(tiny, max_num_batched_tokens=32)
     outs = llm.generate([*others[:2], PROMPT, others[2]], [greedy(16), greedy(16), beam(ignore_eos=True), greedy(16)])
-    assert hypotheses(outs[2]) == reference
+    assert_same_hypotheses(outs[2], reference)
     got = [outs[0], outs[1], outs[3]]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert_pool_whole(llm)
@@ -121,7 +133,7 @@ def test_greedy_neighbours_are_unchanged(tiny, reference) -> None:
 
 def test_n_best_are_the_head_of_the_width(tiny, reference) -> None:
     (res,) = make_llm(tiny).generate([PROMPT], beam(n=2, ignore_eos=True))
-    assert hypotheses(res) == reference[:2]
+    assert_same_hypotheses(res, reference[:2])
 
 
 def test_width_one_is_greedy(tiny) -> None:
