@@ -103,7 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128", help="comma-separated M values")
-    ap.add_argument("--dtypes", default="float32,bfloat16,int8", help="float32, bfloat16, int8 (bf16 x, int8 weights)")
+    ap.add_argument(
+        "--dtypes",
+        default="float32,bfloat16,bfloat16-vdpbf16ps,int8",
+        help="float32, bfloat16 (on AMX tiles where the CPU has them), bfloat16-vdpbf16ps (AMX off; only where it"
+        " is on by default), int8 (bf16 x, int8 weights)",
+    )
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--layers", type=int, default=LAYERS, help="weights per projection shape (30 in SmolLM2)")
     args = ap.parse_args(argv)
@@ -112,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     if ops is None:
         print("the small-batch linear op is not available here (needs AVX-512 BF16 or AVX2, and a compiler)")
         return 1
-    print(f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, read bandwidth {read_bandwidth():.1f} GB/s")
+    print(
+        f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, read bandwidth {read_bandwidth():.1f} GB/s, "
+        f"bf16 kernel on AMX tiles: {'yes' if ops.small_linear_amx() else 'no'}"
+    )
     print("| dtype | rows | oneDNN ms | oneDNN GB/s | small_linear ms | small_linear GB/s | speed-up |")
     print("|---|---|---|---|---|---|---|")
     for name in args.dtypes.split(","):
@@ -122,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         if name == "bfloat16" and not ops.small_linear_bf16_supported():
             print("| bfloat16 | - | the bf16 kernel needs AVX512-BF16 |")
             continue
-        onednn, small, nbytes, dtype = pack(ops, name, args.layers)
+        amx = ops.small_linear_amx()
+        if name == "bfloat16-vdpbf16ps" and not amx:
+            continue  # the bfloat16 rows already ran that kernel
+        onednn, small, nbytes, dtype = pack(ops, name.split("-")[0], args.layers)
+        ops.set_small_linear_amx(amx and name != "bfloat16-vdpbf16ps")
         for rows in (int(r) for r in args.rows.split(",")):
             a, b = time_rows(ops, onednn, small, rows, dtype, args.rounds)
             onednn_bytes = nbytes * (2 if name == "int8" else 1)  # int8: oneDNN streams the bf16 weights
@@ -130,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {name} | {rows} | {a * 1e3:.2f} | {onednn_bytes / a / 1e9:.1f} | {b * 1e3:.2f} "
                 f"| {nbytes / b / 1e9:.1f} | {a / b:.2f}x |"
             )
+        ops.set_small_linear_amx(amx)
     return 0
 
 

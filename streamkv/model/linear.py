@@ -21,6 +21,12 @@ AVX2 tiles (3 rows x 32 columns up to 8 rows, 6 x 16 on blocks of k past
 them, rows in blocks of 128) with the same summation order, and takes
 every batch size: there it is the only copy of the weights.
 
+On a CPU with AMX-BF16 (Sapphire Rapids and later) the bf16 kernel runs on
+AMX tiles (``tdpbf16ps``): there ``vdpbf16ps`` alone fell to 0.25x oneDNN's
+AMX matmul at 64 rows, and the tile kernel is 1.2-1.3x oneDNN up to 32 rows
+and on par at 64-128, one kernel for every decode batch as before
+(docs/benchmarks.md, "Round 15").
+
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
 ``int8``) keeps only int8 codes and a float32 scale per output, run by the
 int8 kernel of the same file at every batch size (:data:`INT8_MAX_ROWS`).

@@ -227,7 +227,7 @@ def from_hf(
             raise ValueError(f"--quantization int8 needs oneDNN matmuls in {dtype}, which this CPU cannot run")
         logger.info("oneDNN cannot take %s weights on this CPU; matmuls use torch's default path", dtype)
     elif model.small_lm_head is not None:
-        _log_small_matmuls(model, int8)
+        _log_small_matmuls(model, int8, dtype)
     elif int8:
         logger.warning("no small-batch int8 kernel on this CPU: the int8 weights run dequantized on oneDNN")
     if fused and device.type == "cpu" and dtype in FUSED_DTYPES:
@@ -248,7 +248,7 @@ def from_hf(
     )
 
 
-def _log_small_matmuls(model: LlamaForCausalLM, int8: bool) -> None:
+def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) -> None:
     small = [m.small for m in model.modules() if isinstance(m, Linear)] + [model.small_lm_head]
     kernels = [s for s in small if s is not None]
     mib = sum(s.nbytes for s in kernels) / 2**20
@@ -261,9 +261,11 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool) -> None:
     if rows == sys.maxsize:
         logger.info("every matmul on the small-batch linear kernel (no oneDNN copy): %.0f MiB of weights", mib)
         return
+    amx = dtype == torch.bfloat16 and bool(kernels[0].ops.small_linear_amx())
     logger.info(
-        "small-batch linear kernel for matmuls of <= %d rows (decode steps): %.0f MiB of weights packed for it",
+        "small-batch linear kernel for matmuls of <= %d rows (decode steps)%s: %.0f MiB of weights packed for it",
         rows,
+        ", on AMX tiles" if amx else "",
         mib,
     )
 

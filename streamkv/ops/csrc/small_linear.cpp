@@ -34,6 +34,11 @@
 // The x error per element is at most max|x| / 65534: next to bf16's rounding of x (2^-9 relative), and
 // far below the weights' own quantization step.
 //
+// bf16 on a CPU with AMX-BF16 (Sapphire Rapids and later) runs run_amx instead, on the same packed layout:
+// there vdpbf16ps computes at ~53 GMAC/s a core and the kernel above was compute-bound from 16 rows (0.25x
+// oneDNN's AMX matmul at 64), while tdpbf16ps reaches ~550, so every row count streams the weight at memory
+// speed up to 32 rows and keeps at or ahead of oneDNN up to 128 (docs/benchmarks.md, "Round 15").
+//
 // Numerics: fp32 accumulates every product in fp32 (k ascending); bf16 multiplies bf16 pairs exactly and
 // accumulates in fp32 (vdpbf16ps), then rounds to bf16 once, round-to-nearest-even: the contract of
 // oneDNN's bf16 matmul, with another summation order. The bias is added in fp32 before that rounding.
@@ -51,9 +56,18 @@
 #define STREAMKV_AVX2_LINEAR 1
 #endif
 
+// bf16 on AMX tiles (a -march=native build on a CPU with AMX-BF16): the same packed layout, see run_amx.
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define STREAMKV_AMX_LINEAR 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#include <atomic>
+
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -184,6 +198,150 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
                             n, k_steps, next + first * 64, lines);
       }
     }
+  });
+}
+#endif
+
+// Whether bf16 matmuls run on AMX tiles in this process: built for them, the kernel asked the OS for the
+// tile state (Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), which oneDNN also makes), and
+// not switched off (set_small_linear_amx, or STREAMKV_AMX=0 in the environment at the first call).
+std::atomic<int> amx_mode{-1};  // -1: not decided yet; 0: off; 1: on
+
+bool amx_permitted() {
+#if defined(STREAMKV_AMX_LINEAR)
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool amx_on() {
+  int mode = amx_mode.load(std::memory_order_relaxed);
+  if (mode < 0) {
+    const char* env = std::getenv("STREAMKV_AMX");
+    mode = amx_permitted() && !(env && std::strcmp(env, "0") == 0) ? 1 : 0;
+    amx_mode.store(mode, std::memory_order_relaxed);
+  }
+  return mode == 1;
+}
+
+#if defined(STREAMKV_AMX_LINEAR)
+// bf16 on AMX (Intel's Advanced Matrix Extensions, 8 tile registers of 16 rows x 64 bytes):
+//   tile 0, 1: C, fp32 [16 rows, 16 columns] of the pair's blocks 0 and 1 for row block 0; 2, 3: for block 1
+//   tile 4, 5: A, 16 rows of x x 32 bf16 of k (row blocks 0 and 1)
+//   tile 6, 7: B, 16 pairs of k x the 16 columns of block 0 / 1 as (k, k+1) pairs: in the packed layout
+//              these are the step's lines of that block, 128 bytes apart, so a tile loads straight from it
+// tdpbf16ps multiplies bf16 pairs exactly and sums them into the fp32 tile (Intel SDM: round-to-nearest-even,
+// denormal inputs and outputs taken as zero), k ascending 32 at a time; a row's result does not depend on
+// the rows beside it, so it is the same in every batch. One tdpbf16ps is 16 x 16 x 32 products, so even a
+// single row streams the weight at memory speed, and at 128 rows the kernel still reads more than 30 GB/s of
+// weights where oneDNN's bf16 matmul stalls on the same tiles (docs/benchmarks.md, "Round 15").
+constexpr int64_t AMX_ROWS = 16;       // rows of x in an A tile
+constexpr int64_t AMX_K = 32;          // bf16 of k per tile step (16 pairs, 64 bytes a row)
+constexpr int64_t AMX_STEP_BYTES = 2048;  // one tile step of a pair's panel: 16 pairs x 2 blocks x 64 bytes
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// One pass over a pair's panel w for the row block at a (and the one 16 rows below when TWO); the C tiles
+// land in c_out [16 or 32 rows][32 floats]. No software prefetch: asking for the panel 2 or 4 steps ahead
+// (into L1 or L2), or for the next panel during the later passes as run() does, timed the same as none
+// (load_tests/bench_small_linear.py, 1-128 rows, docs/benchmarks.md "Round 15").
+template <bool TWO>
+inline void amx_pass(const char* a, int64_t a_stride, const char* w, int64_t k_tiles, float* c_out) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t t = 0; t < k_tiles; ++t) {
+    const char* b = w + t * AMX_STEP_BYTES;
+    _tile_loadd(6, b, 128);
+    _tile_loadd(7, b + 64, 128);
+    _tile_loadd(4, a + t * AMX_K * 2, a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO) {
+      _tile_loadd(5, a + AMX_ROWS * a_stride + t * AMX_K * 2, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c_out, 128);
+  _tile_stored(1, c_out + LANES, 128);
+  if constexpr (TWO) {
+    _tile_stored(2, c_out + AMX_ROWS * 32, 128);
+    _tile_stored(3, c_out + AMX_ROWS * 32 + LANES, 128);
+  }
+}
+
+// K a multiple of 32 (the tiles take whole steps); other shapes run the vdpbf16ps kernel.
+bool amx_takes(int64_t k) { return k % AMX_K == 0; }
+
+// out [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias) on AMX tiles, W packed as for run<at::BFloat16>. Rows go 32
+// at a time (two A tiles against the same two B tiles); past 16 rows x is copied into rows padded to a
+// multiple of 16 with zeros, so a tile never reads past x. Each thread walks its contiguous range of pairs,
+// every pass of a pair's panel after the first from L2.
+void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1);
+  if (m == 0) return;
+  // Fewer than 16 rows (a small decode batch): the A and C tiles are configured with m rows, so a tile step
+  // costs what m rows cost. More: whole tiles, the last block's missing rows zeros.
+  const int64_t tile_rows = std::min(m, AMX_ROWS);
+  const int64_t mp = m < AMX_ROWS ? m : padded(m, AMX_ROWS);
+  at::Tensor xs = x;
+  if (mp != m) {
+    xs = at::zeros({mp, k}, x.options());
+    xs.narrow(0, 0, m).copy_(x);
+  }
+  const char* xp = reinterpret_cast<const char*>(xs.data_ptr<at::BFloat16>());
+  const int64_t x_stride = xs.stride(0) * 2;
+  at::BFloat16* yp = out.data_ptr<at::BFloat16>();
+  const int64_t y_stride = out.stride(0);
+  const char* wp = reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>());
+  const int64_t pairs = packed.size(0), k_tiles = k / AMX_K;
+  const int64_t panel_bytes = k_tiles * AMX_STEP_BYTES;
+  const int64_t blocks = (mp + AMX_ROWS - 1) / AMX_ROWS, passes = (blocks + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = t < 6 ? tile_rows : AMX_ROWS;  // C and A tiles: rows of x; B tiles: 16 pairs of k
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    alignas(64) float c[2 * AMX_ROWS * 32];
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const char* w = wp + pair * panel_bytes;
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t r0 = 2 * pass * AMX_ROWS;
+        const bool two = 2 * pass + 1 < blocks;
+        if (two)
+          amx_pass<true>(xp + r0 * x_stride, x_stride, w, k_tiles, c);
+        else
+          amx_pass<false>(xp + r0 * x_stride, x_stride, w, k_tiles, c);
+        const int64_t rows = std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0);
+        for (int cb = 0; cb < 2; ++cb) {
+          const int64_t col = (2 * pair + cb) * LANES;
+          const int64_t live = std::min<int64_t>(LANES, n - col);
+          if (live <= 0) break;  // the zero block padding N to a multiple of 32
+          const __mmask16 mask = first_lanes(live);
+          const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+          for (int64_t r = 0; r < rows; ++r)
+            store_row(yp + (r0 + r) * y_stride + col, mask, _mm512_add_ps(_mm512_load_ps(c + r * 32 + cb * LANES), bv));
+        }
+      }
+    }
+    _tile_release();
   });
 }
 #endif
@@ -524,6 +682,18 @@ bool small_linear_bf16_supported() {
 #endif
 }
 
+// Whether this process's bf16 small_linear runs on AMX tiles (built for AMX, the OS granted the tile state,
+// not switched off); see amx_on.
+bool small_linear_amx() { return amx_on(); }
+
+// Switch the AMX kernel for bf16 on or off in this process (on only where it can run); returns the state
+// before. For A/B runs: both kernels take the same packed weights, and their sums run in different orders.
+bool set_small_linear_amx(bool on) {
+  const bool before = amx_on();
+  amx_mode.store(on && amx_permitted() ? 1 : 0, std::memory_order_relaxed);
+  return before;
+}
+
 // The optional bias [N] as a contiguous float32 tensor (undefined when absent).
 static at::Tensor bias_f32(const c10::optional<at::Tensor>& bias, int64_t n) {
   if (!bias.has_value() || !bias->defined()) return at::Tensor();
@@ -577,14 +747,26 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
               " columns for N = ", n);
   TORCH_CHECK(dtype == at::kFloat ? packed.size(1) == k : packed.size(1) == padded(k, 2) / 2,
               "packed was made for another K than ", k);
-  TORCH_CHECK(dtype == at::kFloat || k % 2 == 0, "bf16 x needs an even K");
   const at::Tensor b32 = bias_f32(bias, n);
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if (dtype == at::kFloat)
+  if (dtype == at::kFloat) {
     run<float>(out, x, packed, bp, n);
-  else
-    run<at::BFloat16>(out, x, packed, bp, n);
+    return;
+  }
+  if (k % 2 != 0) {  // bf16 goes in (k, k+1) pairs: an odd K takes a zero column, as the packed weight has
+    at::Tensor even = at::zeros({x.size(0), k + 1}, x.options());
+    even.narrow(1, 0, k).copy_(x);
+    run<at::BFloat16>(out, even, packed, bp, n);
+    return;
+  }
+#if defined(STREAMKV_AMX_LINEAR)
+  if (amx_takes(k) && amx_on()) {
+    run_amx(out, x, packed, bp, n);
+    return;
+  }
+#endif
+  run<at::BFloat16>(out, x, packed, bp, n);
 #endif
 #if defined(STREAMKV_AVX2_LINEAR)
   run_avx2(out, x, packed, bp, n);
@@ -639,6 +821,9 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_supported", &small_linear_supported, "whether this build has the fp32 kernel");
   m.def("small_linear_bf16_supported", &small_linear_bf16_supported, "whether this build has the bf16 kernel");
+  m.def("small_linear_amx", &small_linear_amx, "whether bf16 small_linear runs on AMX tiles in this process");
+  m.def("set_small_linear_amx", &set_small_linear_amx, "switch bf16 small_linear's AMX kernel; returns the state before",
+        py::arg("on"));
   m.def("pack_small_linear", &pack_small_linear, "pack a [N, K] weight for small_linear");
   m.def("small_linear", &small_linear, "out = x @ W^T (+ bias) for few rows, W packed (CPU, fp32/bf16)",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
