@@ -7,7 +7,9 @@ queue; the engine thread hands each :class:`RequestOutput` back with
 :class:`AbortRequest`, which the engine applies before its next step. The
 queue carries only :data:`EngineCommand` records. Starting the engine sets
 the process's GIL switch interval to ``SWITCH_INTERVAL_S`` (0.5 ms): the
-engine thread wins the GIL back sooner after each torch op.
+engine thread wins the GIL back sooner after each torch op. The model is
+loaded on a thread that exits afterwards (:func:`run_in_own_thread`), so the
+engine thread is the only one that keeps OpenMP workers.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import queue
 import sys
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from streamkv.config import EngineConfig
 from streamkv.engine_core import EngineCore
@@ -32,6 +34,7 @@ from streamkv.outputs import RequestOutput, RequestSink
 from streamkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _IDLE_WAIT_S = 0.05
 # The engine thread and the server's event loop share the GIL. The engine thread lets go of it inside
@@ -41,6 +44,34 @@ _IDLE_WAIT_S = 0.05
 # (docs/benchmarks.md, "GIL switch interval"): concurrency 8 189 / 187 -> 230 / 238 output tok/s, TPOT 38.7
 # / 38.8 -> 31.8 / 30.4 ms; concurrency 1 32.2 / 33.8 -> 36.9 / 37.8 tok/s.
 SWITCH_INTERVAL_S = 0.0005
+
+
+def run_in_own_thread(fn: Callable[[], T], name: str) -> T:
+    """``fn()`` on a thread that exits when it returns; its result, or its exception re-raised here.
+
+    Why the engine is built this way: every thread that runs an OpenMP parallel region keeps a team of
+    worker threads for the rest of its life, and once libgomp manages more threads than there are CPUs it
+    stops spinning between regions and sleeps instead. Loading the model (weight packing, dtype casts)
+    runs such regions; done on the main thread, its team outlived the load, and every parallel region of
+    the engine thread then paid a futex wake-up: a bf16 decode step at batch 1 on 2 cores took 24.9 ms
+    on the engine thread against 12.8 ms on the main thread (docs/benchmarks.md, "Round 15"). A thread
+    that exits takes its team with it.
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            error.append(e)
+
+    thread = threading.Thread(target=target, name=name)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +120,8 @@ class AsyncEngine:
         self, config: EngineConfig, metrics: MetricsHooks | None = None, loaded: LoadedModel | None = None
     ) -> None:
         self.config = config
-        self.core = EngineCore(config, metrics, loaded)
+        # built on a thread of its own, so that only the engine thread keeps OpenMP workers (run_in_own_thread)
+        self.core = run_in_own_thread(lambda: EngineCore(config, metrics, loaded), "streamkv-load")
         self.tokenizer = self.core.tokenizer
         self.chat = ChatFormatter(self.tokenizer)
         self.max_model_len = self.core.max_model_len
