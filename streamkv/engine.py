@@ -66,7 +66,8 @@ def run_in_own_thread(fn: Callable[[], T], name: str) -> T:
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             error.append(e)
 
-    thread = threading.Thread(target=target, name=name)
+    # a daemon: Ctrl-C during a long load ends the process instead of waiting for the load to finish
+    thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     thread.join()
     if error:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from streamkv.model.linear import Linear, SmallMatmul, small_linear_max_rows
-from streamkv.ops.cpu_ops import load_linear_ops
+from streamkv.ops.cpu_ops import load_linear_ops, set_small_linear_amx
 
 ops = load_linear_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the small-batch linear op cannot be built or run here")
@@ -46,12 +46,12 @@ def dtype(request: pytest.FixtureRequest) -> Iterator[torch.dtype]:
     if amx is None:
         yield dtype
         return
-    before = ops.set_small_linear_amx(amx)
+    before = set_small_linear_amx(amx)
     try:
         assert ops.small_linear_amx() == amx
         yield dtype
     finally:
-        ops.set_small_linear_amx(before)
+        set_small_linear_amx(before)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -133,6 +133,45 @@ def test_strided_rows_of_x_and_out(dtype: torch.dtype, rows: int, k: int) -> Non
     ops.small_linear(out, x, ops.pack_small_linear(w), None)
     assert_close(out, x, w, None)
     assert out_buf[:, :4].isnan().all() and out_buf[:, 44:].isnan().all()  # nothing written past its columns
+
+
+@NO_AMX
+def test_amx_runs_its_own_kernel() -> None:
+    # The bfloat16-amx cases above would pass on the vdpbf16ps kernel too: the two kernels sum in different
+    # orders, so over 64 x 960 outputs of K = 576 some last bits differ, and both stay within the bound.
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(960, 576, generator=gen).bfloat16()
+    x = torch.randn(64, 576, generator=gen).bfloat16()
+    packed = ops.pack_small_linear(w)
+    outs = []
+    before = set_small_linear_amx(True)
+    try:
+        for amx in (True, False):
+            set_small_linear_amx(amx)
+            out = torch.empty(64, 960, dtype=torch.bfloat16)
+            ops.small_linear(out, x, packed, None)
+            assert_close(out, x, w, None)
+            outs.append(out)
+    finally:
+        set_small_linear_amx(before)
+    assert not torch.equal(outs[0], outs[1])
+
+
+@NO_AMX
+def test_the_amx_switch_moves_both_extensions() -> None:
+    # decode_layer's extension holds its own copy of small_linear: both must run the same kernel, or a decode
+    # row's bits would depend on whether its step ran the one-call layer or the layer-by-layer path.
+    from streamkv.ops.cpu_ops import load_decode_ops
+
+    decode = load_decode_ops()
+    assert decode is not None
+    before = set_small_linear_amx(False)
+    try:
+        assert not ops.small_linear_amx() and not decode.small_linear_amx()
+        set_small_linear_amx(True)
+        assert ops.small_linear_amx() and decode.small_linear_amx()
+    finally:
+        set_small_linear_amx(before)
 
 
 def test_bad_arguments_raise() -> None:

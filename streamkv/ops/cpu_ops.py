@@ -93,7 +93,7 @@ def load_linear_ops() -> ModuleType | None:
     if module is not None and not module.small_linear_supported():
         logger.info("streamkv small-batch linear needs AVX-512 BF16 or AVX2; oneDNN runs every matmul")
         return None
-    return module
+    return _with_amx_setting(module)
 
 
 @functools.cache
@@ -108,9 +108,42 @@ def load_decode_ops() -> ModuleType | None:
     if load_linear_ops() is None:
         return None
     folder = build_directory() / f"decode-{_source_digest(DECODE_SOURCES + HEADERS)}"
-    return _build(
+    module = _build(
         DECODE_EXTENSION_NAME, DECODE_SOURCES, folder, "one call per op in each layer", ("-DSTREAMKV_NO_PYBIND",)
     )
+    return _with_amx_setting(module)
+
+
+# The last set_small_linear_amx(on), applied to an extension loaded after it (None: the default stands).
+_amx_setting: bool | None = None
+
+
+def _with_amx_setting(module: ModuleType | None) -> ModuleType | None:
+    if module is not None and _amx_setting is not None:
+        module.set_small_linear_amx(_amx_setting)
+    return module
+
+
+def set_small_linear_amx(on: bool) -> bool:
+    """Switch bf16 ``small_linear``'s AMX kernel on or off in every loaded extension that holds it.
+
+    The linear ops and the decode-layer op are separate extensions, each with its own copy of the switch:
+    setting one alone would run a decode row on one kernel in pure-decode steps and on the other in mixed
+    steps. An extension loaded later takes the last setting. On only where the CPU and the OS allow it;
+    for A/B runs and tests (``STREAMKV_AMX=0`` in the environment turns it off for the whole process).
+    Returns the linear ops' state before (False when they are not loaded or cannot be built).
+    """
+    global _amx_setting
+    _amx_setting = on
+    before = False
+    for loader in (load_linear_ops, load_decode_ops):
+        if loader.cache_info().currsize == 0:
+            continue  # not loaded yet: it takes the setting when it is
+        module = loader()
+        if module is not None:
+            state = bool(module.set_small_linear_amx(on))
+            before = state if loader is load_linear_ops else before
+    return before
 
 
 def _source_digest(paths: tuple[Path, ...]) -> str:
