@@ -60,6 +60,17 @@ _KERNEL_DTYPES = frozenset(
 _INT8_WRITE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def writes_in_cpp(cache_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the C++ ``write_kv`` writes K/V of ``kv_dtype`` into a cache of ``cache_dtype``.
+
+    The cache's own dtype (a copy), fp32 into bf16 (rounded as torch's cast rounds), and fp32 or bf16 into
+    int8 (quantized as ``kv_layout.quantize`` does); not fp8, whose write is torch's.
+    """
+    if cache_dtype == torch.int8:
+        return kv_dtype in _INT8_WRITE_DTYPES
+    return cache_dtype == kv_dtype or (cache_dtype, kv_dtype) == (torch.bfloat16, torch.float32)
+
+
 def cpu_ops_available() -> bool:
     """True when the C++ ops are built (or build now) and load; logs once why not otherwise."""
     return load_cpu_ops() is not None
@@ -91,11 +102,9 @@ class CpuPagedAttention(TorchPagedAttention):
         Raises:
             RuntimeError: a slot outside the pool (the op checks every slot before it writes).
         """
-        same_dtype = kv_cache.dtype == key.dtype == value.dtype  # K/V are float: an unquantized cache
-        same_dtype |= kv_cache.dtype == torch.bfloat16 and key.dtype == value.dtype == torch.float32  # rounded
-        int8 = kv_cache.dtype == torch.int8 and key.dtype == value.dtype and key.dtype in _INT8_WRITE_DTYPES
         if (
-            (same_dtype or int8)
+            key.dtype == value.dtype
+            and writes_in_cpp(kv_cache.dtype, key.dtype)
             and key.stride(1) == value.stride(1) == key.shape[2]
             and key.stride(2) == value.stride(2) == 1
         ):

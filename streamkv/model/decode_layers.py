@@ -29,11 +29,8 @@ from typing import Any
 import torch
 
 from streamkv.attention.backend import AttentionBackend
-from streamkv.attention.cpu_paged import CpuPagedAttention
+from streamkv.attention.cpu_paged import CpuPagedAttention, writes_in_cpp
 from streamkv.attention.metadata import AttentionMetadata
-
-# (cache, model) dtypes of the one mixed unquantized pair write_kv takes: fp32 K/V rounded into a bf16 cache.
-FP32_INTO_BF16 = (torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +86,7 @@ class DecodeLayers:
             meta.is_pure_decode
             and num_tokens <= self.max_rows
             and isinstance(backend, CpuPagedAttention)
-            and (kv_cache.dtype in (self.dtype, torch.int8) or (kv_cache.dtype, self.dtype) == FP32_INTO_BF16)
+            and writes_in_cpp(kv_cache.dtype, self.dtype)
         )
 
     def forward(
