@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from streamkv.model.linear import SmallMatmul, dequantize_int8, quantize_int8  # noqa: E402
-from streamkv.ops.cpu_ops import load_linear_ops, set_small_linear_amx  # noqa: E402
+from streamkv.ops.cpu_ops import load_linear_ops, set_amx  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 LAYERS = 30
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, read bandwidth {read_bandwidth():.1f} GB/s, "
-        f"bf16 kernel on AMX tiles: {'yes' if ops.small_linear_amx() else 'no'}"
+        f"bf16 kernel on AMX tiles: {'yes' if ops.amx() else 'no'}"
     )
     print("| dtype | rows | oneDNN ms | oneDNN GB/s | small_linear ms | small_linear GB/s | speed-up |")
     print("|---|---|---|---|---|---|---|")
@@ -130,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         if name == "bfloat16" and not ops.small_linear_bf16_supported():
             print("| bfloat16 | - | the bf16 kernel needs AVX512-BF16 |")
             continue
-        amx = ops.small_linear_amx()
+        amx = ops.amx()
         if name == "bfloat16-vdpbf16ps" and not amx:
             continue  # the bfloat16 rows already ran that kernel
         onednn, small, nbytes, dtype = pack(ops, name.split("-")[0], args.layers)
-        set_small_linear_amx(amx and name != "bfloat16-vdpbf16ps")
+        set_amx(amx and name != "bfloat16-vdpbf16ps")
         for rows in (int(r) for r in args.rows.split(",")):
             a, b = time_rows(ops, onednn, small, rows, dtype, args.rounds)
             onednn_bytes = nbytes * (2 if name == "int8" else 1)  # int8: oneDNN streams the bf16 weights
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {name} | {rows} | {a * 1e3:.2f} | {onednn_bytes / a / 1e9:.1f} | {b * 1e3:.2f} "
                 f"| {nbytes / b / 1e9:.1f} | {a / b:.2f}x |"
             )
-        set_small_linear_amx(amx)
+        set_amx(amx)
     return 0
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from streamkv.model.linear import Linear, SmallMatmul, small_linear_max_rows
-from streamkv.ops.cpu_ops import load_linear_ops, set_small_linear_amx
+from streamkv.ops.cpu_ops import load_linear_ops, set_amx
 
 ops = load_linear_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the small-batch linear op cannot be built or run here")
@@ -29,7 +29,7 @@ NO_BF16 = pytest.mark.skipif(
     ops is None or not ops.small_linear_bf16_supported(), reason="the bf16 kernel needs AVX512-BF16 (an AVX2 build)"
 )
 NO_AMX = pytest.mark.skipif(
-    ops is None or not ops.small_linear_amx(), reason="bf16 on AMX tiles needs a CPU with AMX-BF16 (and the OS's grant)"
+    ops is None or not ops.amx(), reason="bf16 on AMX tiles needs a CPU with AMX-BF16 (and the OS's grant)"
 )
 
 
@@ -46,12 +46,12 @@ def dtype(request: pytest.FixtureRequest) -> Iterator[torch.dtype]:
     if amx is None:
         yield dtype
         return
-    before = set_small_linear_amx(amx)
+    before = set_amx(amx)
     try:
-        assert ops.small_linear_amx() == amx
+        assert ops.amx() == amx
         yield dtype
     finally:
-        set_small_linear_amx(before)
+        set_amx(before)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -144,34 +144,35 @@ def test_amx_runs_its_own_kernel() -> None:
     x = torch.randn(64, 576, generator=gen).bfloat16()
     packed = ops.pack_small_linear(w)
     outs = []
-    before = set_small_linear_amx(True)
+    before = set_amx(True)
     try:
         for amx in (True, False):
-            set_small_linear_amx(amx)
+            set_amx(amx)
             out = torch.empty(64, 960, dtype=torch.bfloat16)
             ops.small_linear(out, x, packed, None)
             assert_close(out, x, w, None)
             outs.append(out)
     finally:
-        set_small_linear_amx(before)
+        set_amx(before)
     assert not torch.equal(outs[0], outs[1])
 
 
 @NO_AMX
-def test_the_amx_switch_moves_both_extensions() -> None:
-    # decode_layer's extension holds its own copy of small_linear: both must run the same kernel, or a decode
-    # row's bits would depend on whether its step ran the one-call layer or the layer-by-layer path.
-    from streamkv.ops.cpu_ops import load_decode_ops
+def test_the_amx_switch_moves_every_extension() -> None:
+    # decode_layer's extension holds its own copy of small_linear, and the attention ops their own switch for
+    # the bf16 prefill kernel: all must run the same kernels, or a decode row's bits would depend on whether
+    # its step ran the one-call layer or the layer-by-layer path.
+    from streamkv.ops.cpu_ops import load_cpu_ops, load_decode_ops
 
-    decode = load_decode_ops()
-    assert decode is not None
-    before = set_small_linear_amx(False)
+    decode, attention = load_decode_ops(), load_cpu_ops()
+    assert decode is not None and attention is not None
+    before = set_amx(False)
     try:
-        assert not ops.small_linear_amx() and not decode.small_linear_amx()
-        set_small_linear_amx(True)
-        assert ops.small_linear_amx() and decode.small_linear_amx()
+        assert not ops.amx() and not decode.amx() and not attention.amx()
+        set_amx(True)
+        assert ops.amx() and decode.amx() and attention.amx()
     finally:
-        set_small_linear_amx(before)
+        set_amx(before)
 
 
 def test_bad_arguments_raise() -> None:

@@ -261,7 +261,7 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) 
     if rows == sys.maxsize:
         logger.info("every matmul on the small-batch linear kernel (no oneDNN copy): %.0f MiB of weights", mib)
         return
-    amx = dtype == torch.bfloat16 and bool(kernels[0].ops.small_linear_amx())
+    amx = dtype == torch.bfloat16 and bool(kernels[0].ops.amx())
     logger.info(
         "small-batch linear kernel for matmuls of <= %d rows (decode steps)%s: %.0f MiB of weights packed for it",
         rows,

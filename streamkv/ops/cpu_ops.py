@@ -43,11 +43,12 @@ EXTENSION_NAME = "streamkv_cpu_ops"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "paged_prefill.cpp")
 # Headers the sources include: not compiled themselves, but a change to one must rebuild.
-HEADERS = (_CSRC / "kv_row.h", _CSRC / "kv_tile.h", _CSRC / "simd_math.h", _CSRC / "ops.h", _CSRC / "work_split.h")
+HEADERS = tuple(_CSRC / h for h in ("amx.h", "kv_row.h", "kv_tile.h", "simd_math.h", "ops.h", "work_split.h"))
 FUSED_EXTENSION_NAME = "streamkv_fused_ops"
 FUSED_SOURCES = (_CSRC / "fused_layers.cpp",)
 LINEAR_EXTENSION_NAME = "streamkv_linear_ops"
 LINEAR_SOURCES = (_CSRC / "small_linear.cpp",)
+LINEAR_HEADERS = (_CSRC / "amx.h", _CSRC / "ops.h")
 DECODE_EXTENSION_NAME = "streamkv_decode_ops"
 DECODE_SOURCES = (_CSRC / "decode_layer.cpp", *SOURCES, *FUSED_SOURCES, *LINEAR_SOURCES)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -66,7 +67,7 @@ def load_cpu_ops() -> ModuleType | None:
     logged) once.
     """
     folder = build_directory() / _source_digest(SOURCES + HEADERS)
-    return _build(EXTENSION_NAME, SOURCES, folder, "the torch attention path")
+    return _with_amx_setting(_build(EXTENSION_NAME, SOURCES, folder, "the torch attention path"))
 
 
 @functools.cache
@@ -88,7 +89,7 @@ def load_linear_ops() -> ModuleType | None:
     ``small_linear_bf16_supported()`` of the build); on other CPUs the oneDNN
     matmul runs every batch. Cached for the process like :func:`load_cpu_ops`.
     """
-    folder = build_directory() / f"linear-{_source_digest(LINEAR_SOURCES)}"
+    folder = build_directory() / f"linear-{_source_digest(LINEAR_SOURCES + LINEAR_HEADERS)}"
     module = _build(LINEAR_EXTENSION_NAME, LINEAR_SOURCES, folder, "oneDNN for every matmul")
     if module is not None and not module.small_linear_supported():
         logger.info("streamkv small-batch linear needs AVX-512 BF16 or AVX2; oneDNN runs every matmul")
@@ -114,35 +115,35 @@ def load_decode_ops() -> ModuleType | None:
     return _with_amx_setting(module)
 
 
-# The last set_small_linear_amx(on), applied to an extension loaded after it (None: the default stands).
+# The last set_amx(on), applied to an extension loaded after it (None: the default stands).
 _amx_setting: bool | None = None
 
 
 def _with_amx_setting(module: ModuleType | None) -> ModuleType | None:
     if module is not None and _amx_setting is not None:
-        module.set_small_linear_amx(_amx_setting)
+        module.set_amx(_amx_setting)
     return module
 
 
-def set_small_linear_amx(on: bool) -> bool:
-    """Switch bf16 ``small_linear``'s AMX kernel on or off in every loaded extension that holds it.
+def set_amx(on: bool) -> bool:
+    """Switch the bf16 AMX kernels (``small_linear``'s matmuls, ``paged_prefill``'s attention) on or off.
 
-    The linear ops and the decode-layer op are separate extensions, each with its own copy of the switch:
-    setting one alone would run a decode row on one kernel in pure-decode steps and on the other in mixed
-    steps. An extension loaded later takes the last setting. On only where the CPU and the OS allow it;
-    for A/B runs and tests (``STREAMKV_AMX=0`` in the environment turns it off for the whole process).
-    Returns the linear ops' state before (False when they are not loaded or cannot be built).
+    Each extension holds its own copy of the switch (``amx.h``): the attention ops, the linear ops and
+    the decode-layer op. Setting one alone would run a decode row's matmuls on one kernel in pure-decode
+    steps and on the other in mixed steps, so this sets every loaded one, and an extension loaded later
+    takes the last setting. On only where the CPU and the OS allow it; for A/B runs and tests
+    (``STREAMKV_AMX=0`` in the environment turns it off for the whole process). Returns the state
+    before: True when any loaded extension had it on.
     """
     global _amx_setting
     _amx_setting = on
     before = False
-    for loader in (load_linear_ops, load_decode_ops):
+    for loader in (load_cpu_ops, load_linear_ops, load_decode_ops):
         if loader.cache_info().currsize == 0:
             continue  # not loaded yet: it takes the setting when it is
         module = loader()
         if module is not None:
-            state = bool(module.set_small_linear_amx(on))
-            before = state if loader is load_linear_ops else before
+            before = bool(module.set_amx(on)) or before
     return before
 
 

@@ -7,6 +7,9 @@ partial block, another sequence's blocks) turns the output NaN.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,6 +19,7 @@ from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from streamkv.llm import LLM
 from streamkv.model.loader import LoadedModel
+from streamkv.ops import cpu_ops
 from streamkv.sampling_params import SamplingParams
 from tests.attention.test_torch_paged import Case, cases, run_case
 from tests.test_kv_quant import poisoned_cache, run_step
@@ -118,6 +122,29 @@ PREFILL_DTYPES = [  # (KV cache dtype name, query dtype, tolerance against the t
     ("fp8_e4m3", torch.float32, 1e-5),
     ("int8", torch.bfloat16, 3e-2),
 ]
+# bf16 query on bf16 KV runs on AMX tiles where the CPU has them (prefill_amx), else on vdpbf16ps
+# (prefill_avx512): the bf16 case runs on each kernel, the AMX one only where it can run.
+AMX_PREFILL = bool(cpu_paged.load_cpu_ops().amx())
+PREFILL_KERNELS = [
+    (*dtypes, amx)
+    for dtypes in PREFILL_DTYPES
+    for amx in ((False, True) if dtypes[:2] == ("bfloat16", torch.bfloat16) else (False,))
+]
+NEEDS_AMX = "bf16 attention on AMX tiles needs a CPU with AMX-BF16 (and the OS's grant)"
+
+
+@contextmanager
+def amx_kernels(on: bool) -> Iterator[None]:
+    """Every extension's bf16 kernels on AMX tiles (``on``) or on vdpbf16ps, for the ``with`` block."""
+    if on and not AMX_PREFILL:
+        pytest.skip(NEEDS_AMX)
+    before = cpu_ops.set_amx(on)
+    try:
+        yield
+    finally:
+        cpu_ops.set_amx(before)
+
+
 INT8_DECODE_TOL = 3e-4  # fp32 queries on the VNNI int8 decode kernel (int16 query and weights), against torch
 
 
@@ -270,32 +297,92 @@ def test_decode_of_a_sequence_without_keys_is_nan_and_leaves_the_others_alone(ba
     assert not out[1:].isnan().any()
 
 
-@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
+@pytest.mark.parametrize("name, dtype, tol, amx", PREFILL_KERNELS)
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])  # GQA G = 3 and G = 1
 @pytest.mark.parametrize("head_dim", [64, 12])  # the AVX-512 kernel and the portable one
 def test_chunks_over_cached_context_match_the_torch_path(
-    name: str, dtype: torch.dtype, tol: float, num_heads: int, num_kv_heads: int, head_dim: int
+    name: str, dtype: torch.dtype, tol: float, amx: bool, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
     # Chunks of 2..70 rows over contexts of 1..~300, crossing block edges, mixed with decode rows.
     query_lens = [2, 1, 70, 17, 1, 33, 5, 44]
     seq_lens = [2, 40, 300, 17, 1, 48, 261, 100]
     shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    compare_step(name, dtype, tol, query_lens, seq_lens, **shape, seed=7)
+    with amx_kernels(amx):
+        compare_step(name, dtype, tol, query_lens, seq_lens, **shape, seed=7)
 
 
-@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES[:2])
-def test_chunk_lengths_and_offsets_across_block_edges(name: str, dtype: torch.dtype, tol: float) -> None:
+@pytest.mark.parametrize("name, dtype, tol, amx", PREFILL_KERNELS[:3])
+def test_chunk_lengths_and_offsets_across_block_edges(name: str, dtype: torch.dtype, tol: float, amx: bool) -> None:
     # Every chunk length 2..20 at context offsets on, before and after a block edge; small blocks too.
-    for q_len in range(2, 21):
-        for ctx in (0, 15, 16, 17, 63):
-            compare_step(name, dtype, tol, [q_len, 1], [ctx + q_len, ctx + 1], seed=q_len * 100 + ctx)
-    compare_step(name, dtype, tol, [9, 30, 1], [31, 30, 5], block_size=4, seed=3)
+    with amx_kernels(amx):
+        for q_len in range(2, 21):
+            for ctx in (0, 15, 16, 17, 63):
+                compare_step(name, dtype, tol, [q_len, 1], [ctx + q_len, ctx + 1], seed=q_len * 100 + ctx)
+        compare_step(name, dtype, tol, [9, 30, 1], [31, 30, 5], block_size=4, seed=3)
 
 
-@pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES[:2])
-def test_only_one_sequence_with_a_long_chunk(name: str, dtype: torch.dtype, tol: float) -> None:
-    # A single chunk: tiles of query rows keep both threads busy; 128-wide heads (register block of 2).
-    compare_step(name, dtype, tol, [64], [700], num_heads=8, num_kv_heads=2, head_dim=128)
+@pytest.mark.parametrize("name, dtype, tol, amx", PREFILL_KERNELS[:3])
+def test_only_one_sequence_with_a_long_chunk(name: str, dtype: torch.dtype, tol: float, amx: bool) -> None:
+    # A single chunk: tiles of query rows keep both threads busy; 128-wide heads (register block of 2; on AMX
+    # two passes of four accumulator tiles).
+    with amx_kernels(amx):
+        compare_step(name, dtype, tol, [64], [700], num_heads=8, num_kv_heads=2, head_dim=128)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [(64, 9, 3), (128, 8, 2), (64, 4, 4)])
+def test_bf16_prefill_rows_are_the_same_in_any_batch(
+    amx: bool, head_dim: int, num_heads: int, num_kv_heads: int
+) -> None:
+    # A prompt's rows alone, as the first rows of a longer chunk's batch and as a shorter prefix beside other
+    # sequences: the same bits (the task split and the 16-vector tile groups differ), or greedy output would
+    # change with the batch mix. Shuffled blocks of a NaN-poisoned pool.
+    gen = torch.Generator().manual_seed(head_dim)
+    lens = [150, 7, 150, 40]
+    need = [-(-n // 16) for n in lens]
+    cache = torch.full((2, sum(need) + 2, 16, num_kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    order = torch.randperm(cache.shape[1], generator=gen).tolist()
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    for b, blocks in enumerate(need):
+        tables[b, :blocks] = torch.tensor(order[:blocks], dtype=torch.int32)
+        order = order[blocks:]
+    tables[2] = tables[0]  # sequence 2 reads sequence 0's blocks: the same keys
+    for b in (0, 1, 3):
+        slots = tables[b, torch.arange(lens[b]) // 16].long() * 16 + torch.arange(lens[b]) % 16
+        cache.view(2, -1, num_kv_heads, head_dim)[:, slots] = torch.randn(
+            2, lens[b], num_kv_heads, head_dim, generator=gen
+        ).bfloat16()
+    q0 = torch.randn(150, num_heads, head_dim, generator=gen).bfloat16()
+    other = torch.randn(7 + 40, num_heads, head_dim, generator=gen).bfloat16()
+    ops = cpu_paged.load_cpu_ops()
+    scale = head_dim**-0.5
+
+    def prefill(query: torch.Tensor, rows: list[int], seq_lens: list[int], table: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(query)
+        starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+        ops.paged_prefill(out, query, cache, table, torch.tensor(seq_lens, dtype=torch.int32), starts, scale)
+        return out
+
+    with amx_kernels(amx):
+        alone = prefill(q0, [150], [150], tables[:1])
+        assert not alone.isnan().any()
+        batch = prefill(torch.cat([q0, other[:7], q0[:93], other[7:]]), [150, 7, 93, 40], [150, 7, 93, 40], tables)
+        assert torch.equal(batch[:150], alone)
+        assert torch.equal(batch[157:250], alone[:93])  # a prompt of 93 tokens: the same rows
+        chunk = prefill(q0[60:], [90], [150], tables[:1])  # the last 90 rows as a chunk over 60 cached tokens
+        assert torch.equal(chunk, alone[60:])
+
+
+@pytest.mark.skipif(not AMX_PREFILL, reason=NEEDS_AMX)
+def test_amx_prefill_runs_its_own_kernel() -> None:
+    # The AMX cases above would pass on the vdpbf16ps kernel too: the two sum q . k in different orders, so
+    # some last bits of the output differ, and both stay within the tests' bounds.
+    step = ([100, 33], [100, 233])
+    outs = []
+    for amx in (True, False):
+        with amx_kernels(amx):
+            outs.append(run_step("bfloat16", cpu_paged.CpuPagedAttention(), *step, dtype=torch.bfloat16, seed=9)[0])
+    assert not torch.equal(outs[0], outs[1])
 
 
 def test_prefill_op_rejects_bad_inputs_clearly() -> None:
@@ -335,15 +422,17 @@ def test_engine_greedy_equal_on_both_backends_over_chunks_and_prefix_hits(tiny: 
     assert outs["cpu"] == outs["torch"]
 
 
-def test_bf16_prefill_error_no_worse_than_the_torch_bf16_path() -> None:
-    # bf16 query on bf16 KV takes vdpbf16ps with p rounded to bf16: its error against the fp32 computation
-    # of the same inputs stays that of torch's bf16 attention.
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_prefill_error_no_worse_than_the_torch_bf16_path(amx: bool) -> None:
+    # bf16 query on bf16 KV takes vdpbf16ps or AMX tiles with p rounded to bf16: its error against the fp32
+    # computation of the same inputs stays that of torch's bf16 attention.
     step = ([44, 1, 64, 30], [700, 90, 64, 300])
     ref, _ = run_step("float32", TorchPagedAttention(), *step, seed=5)
     torch_err = (
         run_step("bfloat16", TorchPagedAttention(), *step, dtype=torch.bfloat16, seed=5)[0].float() - ref
     ).abs()
-    ours = run_step("bfloat16", cpu_paged.CpuPagedAttention(), *step, dtype=torch.bfloat16, seed=5)[0]
+    with amx_kernels(amx):
+        ours = run_step("bfloat16", cpu_paged.CpuPagedAttention(), *step, dtype=torch.bfloat16, seed=5)[0]
     our_err = (ours.float() - ref).abs()
     assert float(our_err.mean()) <= 1.2 * float(torch_err.mean())
     assert float(our_err.max()) <= 1.5 * float(torch_err.max())

@@ -19,6 +19,7 @@
 
 #include <torch/extension.h>
 
+#include "amx.h"
 #include "ops.h"
 
 #include <optional>
@@ -81,8 +82,7 @@ at::Tensor decode_layer(const at::Tensor& h, at::Tensor residual, bool first, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layer", &decode_layer, "one decoder layer of a pure-decode step, the model's ops in one call (CPU)");
-  // this extension holds its own copy of small_linear's state: the AMX switch is set here and in the linear ops
-  m.def("small_linear_amx", &small_linear_amx, "whether bf16 small_linear runs on AMX tiles in this process");
-  m.def("set_small_linear_amx", &set_small_linear_amx, "switch bf16 small_linear's AMX kernel; returns the state before",
-        py::arg("on"));
+  // this extension holds its own AMX switch (amx.h): streamkv.ops.cpu_ops.set_amx sets it with the others'
+  m.def("amx", &streamkv::amx_on, "whether this extension's bf16 kernels run on AMX tiles in this process");
+  m.def("set_amx", &streamkv::set_amx, "switch this extension's AMX kernels; returns the state before", py::arg("on"));
 }

@@ -22,5 +22,3 @@ void argmax_rows(at::Tensor out, const at::Tensor& logits);
 void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias);
-bool small_linear_amx();
-bool set_small_linear_amx(bool on);

@@ -25,6 +25,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "amx.h"
 #include "kv_row.h"
 #include "ops.h"
 #include "kv_tile.h"
@@ -34,6 +35,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -290,6 +292,190 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 }
 #endif
 
+#if defined(STREAMKV_AMX)
+// bf16 query on bf16 KV on AMX tiles (tdpbf16ps): prefill_avx512's loop with its two products as tile
+// products, 16 query vectors (one tile's rows) at a time; the online softmax between them stays AVX-512 fp32.
+// Tiles, all 16 rows x 64 bytes:
+//   scores:  0-3  S [16 vectors x 16 keys] fp32, key chunks 0-3 of the 64-key tile
+//            4    A: the 16 vectors' bf16 queries, 32 dims (a row of 64 bytes; q_buf holds them end to end)
+//            5-7  B: kt's rows for 16 dim pairs x 16 keys (load_tile_bf16's layout is the tile's (k, k+1) pairs)
+//   P . V:   0-3  the vectors' fp32 sums for 64 dims, loaded from acc and stored back (a 128-dim head: twice)
+//            4    A: P [16 vectors x 32 keys] bf16, the rounded softmax weights
+//            5-7  B: vb's rows for 16 key pairs x 16 dims
+// The same products as prefill_avx512's DOT path (bf16 pairs multiplied exactly, summed in fp32 in k order,
+// p rounded to bf16 and the sum counting the rounded weights); tdpbf16ps treats denormal inputs and outputs as
+// zero, as vdpbf16ps does. A vector's result depends only on its own row of each tile, so it is the same in any
+// task split and batch. Key pairs past a tile's last key are zeroed in vb before a P . V step can read them
+// (their weights are 0, and 0 x NaN would not be).
+template <int KN, int64_t D>
+__attribute__((always_inline)) inline void amx_scores(const at::BFloat16* q, const float* kt, float* s) {
+  _tile_zero(0);
+  if constexpr (KN > 1) _tile_zero(1);
+  if constexpr (KN > 2) _tile_zero(2);
+  if constexpr (KN > 3) _tile_zero(3);
+  for (int64_t t = 0; t < D / 32; ++t) {
+    const float* b = kt + 16 * t * KEYS;  // dim pairs 16t .. 16t + 15
+    _tile_loadd(4, q + 32 * t, D * 2);
+    _tile_loadd(5, b, KEYS * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (KN > 1) {
+      _tile_loadd(6, b + 16, KEYS * 4);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (KN > 2) {
+      _tile_loadd(7, b + 32, KEYS * 4);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (KN > 3) {
+      _tile_loadd(5, b + 48, KEYS * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, s, KEYS * 4);
+  if constexpr (KN > 1) _tile_stored(1, s + 16, KEYS * 4);
+  if constexpr (KN > 2) _tile_stored(2, s + 32, KEYS * 4);
+  if constexpr (KN > 3) _tile_stored(3, s + 48, KEYS * 4);
+}
+
+// acc [16 vectors][D] += P [16][KEYS] bf16 (the first 32 * UN keys) . vb (the first 16 * UN key pairs).
+template <int UN, int64_t D>
+__attribute__((always_inline)) inline void amx_pv(const uint16_t* p, const float* vb, float* acc) {
+  for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
+    float* a = acc + 16 * c0;
+    _tile_loadd(0, a, D * 4);
+    _tile_loadd(1, a + 16, D * 4);
+    _tile_loadd(2, a + 32, D * 4);
+    _tile_loadd(3, a + 48, D * 4);
+    for (int u = 0; u < UN; ++u) {
+      const float* b = vb + 16 * u * D + 16 * c0;  // key pairs 16u .. 16u + 15, dims 16 c0 ..
+      _tile_loadd(4, p + 32 * u, KEYS * 2);
+      _tile_loadd(5, b, D * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b + 16, D * 4);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, b + 32, D * 4);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, b + 48, D * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, a, D * 4);
+    _tile_stored(1, a + 16, D * 4);
+    _tile_stored(2, a + 32, D * 4);
+    _tile_stored(3, a + 48, D * 4);
+  }
+}
+
+template <int C>
+void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<Task>& tasks, int64_t max_rows,
+                 float scale) {
+  constexpr int64_t D = 16 * C;
+  constexpr int64_t V = 16;  // query vectors per tile
+  const int64_t max_vectors = (max_rows * L.group + V - 1) / V * V;
+  run_tasks(tasks, [&](const Task& t) {
+    thread_local std::vector<at::BFloat16> q_buf;
+    thread_local std::vector<float> acc_buf, max_buf, sum_buf, kt_buf, vb_buf;
+    thread_local std::vector<int64_t> pos_buf;
+    q_buf.resize(max_vectors * D), acc_buf.resize(max_vectors * D), max_buf.resize(max_vectors);
+    sum_buf.resize(max_vectors), pos_buf.resize(max_vectors), kt_buf.resize(D * KEYS), vb_buf.resize(KEYS * D);
+    at::BFloat16* __restrict q = q_buf.data();
+    float* __restrict acc = acc_buf.data();
+    float* __restrict maxes = max_buf.data();
+    float* __restrict sums = sum_buf.data();
+    float* __restrict kt = kt_buf.data();
+    float* __restrict vb = vb_buf.data();
+    int64_t* __restrict pos = pos_buf.data();
+    const int64_t start = L.starts[t.seq];
+    const int64_t ctx0 = L.seq_lens[t.seq] - (L.starts[t.seq + 1] - start);
+    const int64_t vectors = t.rows * L.group;
+    const int64_t padded = (vectors + V - 1) / V * V;
+    // Padding vectors repeat the last row's position with a zero query: finite, never written out.
+    for (int64_t m = 0; m < padded; ++m) {
+      const int64_t r = std::min(m, vectors - 1) / L.group;
+      pos[m] = ctx0 + t.row0 + r;
+      if (m < vectors)
+        std::memcpy(q + m * D, L.query_row(start + t.row0 + r, t.kv_head * L.group + m % L.group), D * 2);
+      else
+        std::fill(q + m * D, q + (m + 1) * D, at::BFloat16(0.f));
+      std::fill(acc + m * D, acc + m * D + D, 0.f);
+      maxes[m] = -std::numeric_limits<float>::infinity();
+      sums[m] = 0.f;
+    }
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+    const int64_t last = pos[padded - 1];
+    for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
+      const int64_t n = std::min<int64_t>(KEYS, last + 1 - k0);  // keys of this tile any vector may see
+      load_tile_bf16<C>(L, t.seq, t.kv_head, k0, n, kt, vb);
+      const int64_t pairs_read = (n + 31) / 32 * 16;  // the key pairs P . V steps read
+      std::fill(vb + (n + 1) / 2 * D, vb + pairs_read * D, 0.f);
+      for (int64_t m0 = 0; m0 < padded; m0 += V) {
+        if (pos[m0 + V - 1] < k0) continue;  // the whole group sits above this tile's diagonal
+        const int64_t seen = std::min<int64_t>(n, pos[m0 + V - 1] - k0 + 1);
+        alignas(64) float s[V * KEYS];
+        alignas(64) uint16_t p[V * KEYS];
+        switch ((seen + 15) / 16) {
+          case 1: amx_scores<1, D>(q + m0 * D, kt, s); break;
+          case 2: amx_scores<2, D>(q + m0 * D, kt, s); break;
+          case 3: amx_scores<3, D>(q + m0 * D, kt, s); break;
+          default: amx_scores<4, D>(q + m0 * D, kt, s); break;
+        }
+        const __m512 sc = _mm512_set1_ps(scale);
+        for (int64_t i = 0; i < V; ++i) {
+          const int64_t visible = std::min<int64_t>(n, pos[m0 + i] - k0 + 1);
+          const float m_old = maxes[m0 + i];
+          float alpha = 1.f, tile_sum = 0.f;
+          if (visible > 0) {  // else p = 0 and alpha = e^0: the vector sees none of this tile
+            __mmask16 live[KC];
+            __m512 x[KC];
+            __m512 tile_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+            for (int kc = 0; kc < KC; ++kc) {
+              live[kc] = lanes_below(visible - 16 * kc);  // chunks past `seen` were not computed: all lanes dead
+              x[kc] = _mm512_mul_ps(_mm512_maskz_load_ps(live[kc], s + i * KEYS + 16 * kc), sc);
+              tile_max = _mm512_mask_max_ps(tile_max, live[kc], tile_max, x[kc]);
+            }
+            const float m_new = std::max(m_old, _mm512_reduce_max_ps(tile_max));
+            const __m512 mv = _mm512_set1_ps(m_new);
+            __m512 sum = _mm512_setzero_ps();
+            for (int kc = 0; kc < KC; ++kc) {
+              const __m512 e = _mm512_maskz_mov_ps(live[kc], exp16(_mm512_sub_ps(x[kc], mv)));
+              const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);  // p as bf16; the sum counts the rounded weights
+              _mm256_store_si256(reinterpret_cast<__m256i*>(p + i * KEYS + 16 * kc), pb);
+              sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+            }
+            tile_sum = _mm512_reduce_add_ps(sum);
+            // alpha = e^(m_old - m_new): 1 while the max holds, 0 on the first tile (m_old = -inf)
+            alpha = m_old == -std::numeric_limits<float>::infinity()
+                        ? 0.f
+                        : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m_old - m_new)));
+            maxes[m0 + i] = m_new;
+          } else {
+            for (int kc = 0; kc < KC; ++kc)
+              _mm256_store_si256(reinterpret_cast<__m256i*>(p + i * KEYS + 16 * kc), _mm256_setzero_si256());
+          }
+          sums[m0 + i] = sums[m0 + i] * alpha + tile_sum;
+          if (alpha != 1.f) {
+            const __m512 al = _mm512_set1_ps(alpha);
+            float* a = acc + (m0 + i) * D;
+            for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), al));
+          }
+        }
+        if (seen > 32)
+          amx_pv<2, D>(p, vb, acc + m0 * D);
+        else
+          amx_pv<1, D>(p, vb, acc + m0 * D);
+      }
+    }
+    _tile_release();
+    for (int64_t m = 0; m < vectors; ++m) {
+      const float inv = 1.f / sums[m];
+      at::BFloat16* dst = L.out_row(start + t.row0 + m / L.group, t.kv_head * L.group + m % L.group);
+      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<at::BFloat16>(acc[m * D + i] * inv);
+    }
+  });
+}
+#endif
+
 #if defined(STREAMKV_AVX2_KV)
 // AVX2, fp32 / bf16 / int8 / fp8 rows of head_dim == 8 * C, query group G (1-4): each query row attends as a decode
 // query does in decode_avx2 (the G heads of a row share each 8-key load and reduce8, softmax8, pass 2 in register
@@ -449,6 +635,12 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
     constexpr bool dot = std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16>;
 #else
     constexpr bool dot = false;
+#endif
+#if defined(STREAMKV_AMX)
+    if constexpr (dot) {
+      if (amx_on() && query.size(2) == 64) return prefill_amx<4>(layout, tasks, max_rows, s);
+      if (amx_on() && query.size(2) == 128) return prefill_amx<8>(layout, tasks, max_rows, s);
+    }
 #endif
     switch (query.size(2)) {
       case 64: return prefill_avx512<4, 4, dot, q_t, kv_t>(layout, tasks, max_rows, s);

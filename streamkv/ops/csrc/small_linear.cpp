@@ -56,13 +56,8 @@
 #define STREAMKV_AVX2_LINEAR 1
 #endif
 
-// bf16 on AMX tiles (a -march=native build on a CPU with AMX-BF16): the same packed layout, see run_amx.
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define STREAMKV_AMX_LINEAR 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-#include <atomic>
+// bf16 on AMX tiles (STREAMKV_AMX, amx.h): the same packed layout, see run_amx.
+#include "amx.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -73,6 +68,9 @@
 #include <vector>
 
 namespace {
+
+using streamkv::amx_on;
+using streamkv::TileConfig;
 
 constexpr int64_t LANES = 16;  // outputs per column block
 constexpr int64_t ROWS = 8;    // rows of x per pass over a column block (int8 kernel)
@@ -202,34 +200,7 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
 }
 #endif
 
-// Whether bf16 matmuls run on AMX tiles in this process: built for them, the kernel asked the OS for the
-// tile state (Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), which oneDNN also makes), and
-// not switched off (set_small_linear_amx, or STREAMKV_AMX=0 in the environment at the first call).
-std::atomic<int> amx_mode{-1};  // -1: not decided yet; 0: off; 1: on
-
-bool amx_permitted() {
-#if defined(STREAMKV_AMX_LINEAR)
-  static const bool ok = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
-
-bool amx_on() {
-  int mode = amx_mode.load(std::memory_order_relaxed);
-  if (mode < 0) {
-    const char* env = std::getenv("STREAMKV_AMX");
-    mode = amx_permitted() && !(env && std::strcmp(env, "0") == 0) ? 1 : 0;
-    amx_mode.store(mode, std::memory_order_relaxed);
-  }
-  return mode == 1;
-}
-
-#if defined(STREAMKV_AMX_LINEAR)
+#if defined(STREAMKV_AMX)
 // bf16 on AMX (Intel's Advanced Matrix Extensions, 8 tile registers of 16 rows x 64 bytes):
 //   tile 0, 1: C, fp32 [16 rows, 16 columns] of the pair's blocks 0 and 1 for row block 0; 2, 3: for block 1
 //   tile 4, 5: A, 16 rows of x x 32 bf16 of k (row blocks 0 and 1)
@@ -243,14 +214,6 @@ bool amx_on() {
 constexpr int64_t AMX_ROWS = 16;       // rows of x in an A tile
 constexpr int64_t AMX_K = 32;          // bf16 of k per tile step (16 pairs, 64 bytes a row)
 constexpr int64_t AMX_STEP_BYTES = 2048;  // one tile step of a pair's panel: 16 pairs x 2 blocks x 64 bytes
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // One pass over a pair's panel w for the row block at a (and the one 16 rows below when TWO); the C tiles
 // land in c_out [16 or 32 rows][32 floats]. No software prefetch: asking for the panel 2 or 4 steps ahead
@@ -682,18 +645,6 @@ bool small_linear_bf16_supported() {
 #endif
 }
 
-// Whether this process's bf16 small_linear runs on AMX tiles (built for AMX, the OS granted the tile state,
-// not switched off); see amx_on.
-bool small_linear_amx() { return amx_on(); }
-
-// Switch the AMX kernel for bf16 on or off in this process (on only where it can run); returns the state
-// before. For A/B runs: both kernels take the same packed weights, and their sums run in different orders.
-bool set_small_linear_amx(bool on) {
-  const bool before = amx_on();
-  amx_mode.store(on && amx_permitted() ? 1 : 0, std::memory_order_relaxed);
-  return before;
-}
-
 // The optional bias [N] as a contiguous float32 tensor (undefined when absent).
 static at::Tensor bias_f32(const c10::optional<at::Tensor>& bias, int64_t n) {
   if (!bias.has_value() || !bias->defined()) return at::Tensor();
@@ -760,7 +711,7 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
     run<at::BFloat16>(out, even, packed, bp, n);
     return;
   }
-#if defined(STREAMKV_AMX_LINEAR)
+#if defined(STREAMKV_AMX)
   if (amx_takes(k) && amx_on()) {
     run_amx(out, x, packed, bp, n);
     return;
@@ -821,9 +772,8 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_supported", &small_linear_supported, "whether this build has the fp32 kernel");
   m.def("small_linear_bf16_supported", &small_linear_bf16_supported, "whether this build has the bf16 kernel");
-  m.def("small_linear_amx", &small_linear_amx, "whether bf16 small_linear runs on AMX tiles in this process");
-  m.def("set_small_linear_amx", &set_small_linear_amx, "switch bf16 small_linear's AMX kernel; returns the state before",
-        py::arg("on"));
+  m.def("amx", &streamkv::amx_on, "whether this extension's bf16 kernels run on AMX tiles in this process");
+  m.def("set_amx", &streamkv::set_amx, "switch this extension's AMX kernels; returns the state before", py::arg("on"));
   m.def("pack_small_linear", &pack_small_linear, "pack a [N, K] weight for small_linear");
   m.def("small_linear", &small_linear, "out = x @ W^T (+ bias) for few rows, W packed (CPU, fp32/bf16)",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
