@@ -421,23 +421,26 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
           default: amx_scores<4, D>(q + m0 * D, kt, s); break;
         }
         const __m512 sc = _mm512_set1_ps(scale);
+        const int p_chunks = seen > 32 ? 4 : 2;  // the 16-key chunks of p the P . V steps read
         for (int64_t i = 0; i < V; ++i) {
           const int64_t visible = std::min<int64_t>(n, pos[m0 + i] - k0 + 1);
+          // Chunks with a key the vector sees; past them (and past `seen`, where s was not computed) p is 0.
+          const int live_chunks = static_cast<int>(std::clamp<int64_t>((visible + 15) / 16, 0, KC));
           const float m_old = maxes[m0 + i];
           float alpha = 1.f, tile_sum = 0.f;
           if (visible > 0) {  // else p = 0 and alpha = e^0: the vector sees none of this tile
             __mmask16 live[KC];
             __m512 x[KC];
             __m512 tile_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-            for (int kc = 0; kc < KC; ++kc) {
-              live[kc] = lanes_below(visible - 16 * kc);  // chunks past `seen` were not computed: all lanes dead
+            for (int kc = 0; kc < live_chunks; ++kc) {
+              live[kc] = lanes_below(visible - 16 * kc);
               x[kc] = _mm512_mul_ps(_mm512_maskz_load_ps(live[kc], s + i * KEYS + 16 * kc), sc);
               tile_max = _mm512_mask_max_ps(tile_max, live[kc], tile_max, x[kc]);
             }
             const float m_new = std::max(m_old, _mm512_reduce_max_ps(tile_max));
             const __m512 mv = _mm512_set1_ps(m_new);
             __m512 sum = _mm512_setzero_ps();
-            for (int kc = 0; kc < KC; ++kc) {
+            for (int kc = 0; kc < live_chunks; ++kc) {
               const __m512 e = _mm512_maskz_mov_ps(live[kc], exp16(_mm512_sub_ps(x[kc], mv)));
               const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);  // p as bf16; the sum counts the rounded weights
               _mm256_store_si256(reinterpret_cast<__m256i*>(p + i * KEYS + 16 * kc), pb);
@@ -449,10 +452,9 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
                         ? 0.f
                         : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m_old - m_new)));
             maxes[m0 + i] = m_new;
-          } else {
-            for (int kc = 0; kc < KC; ++kc)
-              _mm256_store_si256(reinterpret_cast<__m256i*>(p + i * KEYS + 16 * kc), _mm256_setzero_si256());
           }
+          for (int kc = live_chunks; kc < p_chunks; ++kc)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(p + i * KEYS + 16 * kc), _mm256_setzero_si256());
           sums[m0 + i] = sums[m0 + i] * alpha + tile_sum;
           if (alpha != 1.f) {
             const __m512 al = _mm512_set1_ps(alpha);
