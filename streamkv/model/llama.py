@@ -433,6 +433,10 @@ class Attention(nn.Module):
 # (docs/benchmarks.md, "MLP slices in long prefill steps"). Rows are independent: each row gets the matmul of a
 # smaller batch (a short last slice may take the small-batch kernel), as a smaller token budget would give it.
 MLP_SLICE_ROWS = 1024
+# bf16 (and fp16) steps slice at 4,096 rows: oneDNN's AMX matmul runs down_proj's [rows, 1536] x [1536, 576] on one
+# of two threads at 512-1,024 rows (1.18 ms at 1,024 rows, 2.30 at 4,096 on both), and a 32 x 128-token bf16
+# prefill took 0.614 s in slices of 1,024, 0.549 in 2,048 and 0.538 in 4,096 (docs/benchmarks.md, "Round 16").
+MLP_SLICE_ROWS_16BIT = 4096
 
 
 class MLP(nn.Module):
@@ -446,9 +450,11 @@ class MLP(nn.Module):
         self.fused: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``; on the CPU a long step runs in slices of ``MLP_SLICE_ROWS`` rows."""
-        if x.shape[0] > MLP_SLICE_ROWS and x.device.type == "cpu":
-            return torch.cat([self._forward(x[i : i + MLP_SLICE_ROWS]) for i in range(0, x.shape[0], MLP_SLICE_ROWS)])
+        """``x [T, H]`` -> ``[T, H]``; on the CPU a long step runs in slices of ``MLP_SLICE_ROWS`` rows (fp32) or
+        ``MLP_SLICE_ROWS_16BIT`` (bf16, fp16)."""
+        rows = MLP_SLICE_ROWS if x.dtype == torch.float32 else MLP_SLICE_ROWS_16BIT
+        if x.shape[0] > rows and x.device.type == "cpu":
+            return torch.cat([self._forward(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
