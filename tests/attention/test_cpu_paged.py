@@ -554,6 +554,30 @@ def test_int8_write_kv_gives_the_torch_quantizers_bytes() -> None:
         ops.write_kv(poisoned_cache("int8", 4, 4, 3, 64), key.half(), value.half(), slots)
 
 
+@pytest.mark.parametrize(
+    "cache, dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("bfloat16", torch.float32),
+                     ("int8", torch.float32), ("int8", torch.bfloat16)]
+)  # fmt: skip
+def test_a_prefill_sized_write_split_between_threads_gives_the_torch_bytes(cache: str, dtype: torch.dtype) -> None:
+    # 700 tokens (past write_kv's 256-token grain, so both threads write) into shuffled slots of a poisoned pool.
+    ops = cpu_paged.load_cpu_ops()
+    gen = torch.Generator().manual_seed(11)
+    key = torch.randn(700, 3, 64, generator=gen).to(dtype)
+    value = torch.randn(700, 3, 64, generator=gen).to(dtype)
+    slots = torch.randperm(64 * 16, generator=gen)[:700]
+    want = poisoned_cache(cache, 64, 16, 3, 64)
+    rows = (key, value) if cache == "int8" else (key.to(want.dtype), value.to(want.dtype))  # torch rounds fp32 -> bf16
+    write_kv(want, slots, *rows)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = poisoned_cache(cache, 64, 16, 3, 64)
+        ops.write_kv(got, key, value, slots)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_fp32_write_kv_into_a_bf16_cache_rounds_as_torch_casts() -> None:
     # An fp32 model's --kv-cache-dtype bfloat16: the op rounds each value to nearest-even as torch's cast does,
     # in 8-lane runs and a scalar tail (head dim 20), ties, NaN, infinities and values past bf16's range included.

@@ -1152,7 +1152,10 @@ void to_bf16(const float* x, int64_t n, at::BFloat16* dst) {
 // - Unquantized cache: key / value in the cache's dtype, one copy of each token's Hkv * D contiguous values.
 // - bf16 cache: fp32 key / value too, rounded as torch's cast rounds (an fp32 model's --kv-cache-dtype bfloat16).
 // - int8 cache (R = D + 4): fp32 or bf16 key / value, each (token, head) row quantized as kv_layout.quantize does.
-// Rows of one token contiguous.
+// Rows of one token contiguous. A prefill's tokens are split between the threads (kWriteGrain tokens and up a
+// task); a step's slots are distinct, so no two threads write one slot.
+constexpr int64_t kWriteGrain = 256;
+
 void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, R]");
@@ -1186,10 +1189,12 @@ void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor 
     auto quantize_rows = [&]<typename x_t>() {
       const x_t* src[2] = {key.data_ptr<x_t>(), value.data_ptr<x_t>()};
       const int64_t stride[2] = {key.stride(0), value.stride(0)};
-      for (int64_t t = 0; t < tokens; ++t)
-        for (int kv = 0; kv < 2; ++kv)
-          for (int64_t h = 0; h < hkv; ++h)
-            quantize_row_int8(src[kv] + t * stride[kv] + h * d, d, base + kv * half + (slots[t] * hkv + h) * row);
+      at::parallel_for(0, tokens, kWriteGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+          for (int kv = 0; kv < 2; ++kv)
+            for (int64_t h = 0; h < hkv; ++h)
+              quantize_row_int8(src[kv] + t * stride[kv] + h * d, d, base + kv * half + (slots[t] * hkv + h) * row);
+      });
     };
     if (key.scalar_type() == at::kFloat)
       quantize_rows.template operator()<float>();
@@ -1201,18 +1206,22 @@ void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor 
     auto* dst = reinterpret_cast<at::BFloat16*>(base);
     const float* src[2] = {key.data_ptr<float>(), value.data_ptr<float>()};
     const int64_t stride[2] = {key.stride(0), value.stride(0)};
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int kv = 0; kv < 2; ++kv) to_bf16(src[kv] + t * stride[kv], hkv * d, dst + kv * half + slots[t] * hkv * d);
+    at::parallel_for(0, tokens, kWriteGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int kv = 0; kv < 2; ++kv) to_bf16(src[kv] + t * stride[kv], hkv * d, dst + kv * half + slots[t] * hkv * d);
+    });
     return;
   }
   const int64_t elem = kv_cache.element_size(), row_bytes = hkv * d * elem;
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());
   const int64_t ks = key.stride(0) * elem, vs = value.stride(0) * elem;
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::memcpy(base + slots[t] * row_bytes, k + t * ks, row_bytes);
-    std::memcpy(base + half * elem + slots[t] * row_bytes, v + t * vs, row_bytes);
-  }
+  at::parallel_for(0, tokens, kWriteGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(base + slots[t] * row_bytes, k + t * ks, row_bytes);
+      std::memcpy(base + half * elem + slots[t] * row_bytes, v + t * vs, row_bytes);
+    }
+  });
 }
 
 #ifndef STREAMKV_NO_PYBIND  // left out of streamkv_decode_ops (decode_layer.cpp), which calls the ops directly
