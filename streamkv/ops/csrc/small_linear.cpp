@@ -37,7 +37,9 @@
 // bf16 on a CPU with AMX-BF16 (Sapphire Rapids and later) runs run_amx instead, on the same packed layout:
 // there vdpbf16ps computes at ~53 GMAC/s a core and the kernel above was compute-bound from 16 rows (0.25x
 // oneDNN's AMX matmul at 64), while tdpbf16ps reaches ~550, so every row count streams the weight at memory
-// speed up to 32 rows and keeps at or ahead of oneDNN up to 128 (docs/benchmarks.md, "Round 15").
+// speed up to 32 rows and keeps at or ahead of oneDNN up to 128 (docs/benchmarks.md, "Round 15"). Python
+// also sends it up to 1,024 rows of weights with at most 1,024 outputs, which oneDNN runs on one thread there
+// (streamkv/model/linear.py, AMX_NARROW_MAX_ROWS; "Round 16").
 //
 // Numerics: fp32 accumulates every product in fp32 (k ascending); bf16 multiplies bf16 pairs exactly and
 // accumulates in fp32 (vdpbf16ps), then rounds to bf16 once, round-to-nearest-even: the contract of
@@ -214,6 +216,14 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
 constexpr int64_t AMX_ROWS = 16;       // rows of x in an A tile
 constexpr int64_t AMX_K = 32;          // bf16 of k per tile step (16 pairs, 64 bytes a row)
 constexpr int64_t AMX_STEP_BYTES = 2048;  // one tile step of a pair's panel: 16 pairs x 2 blocks x 64 bytes
+// The order of a thread's tile passes. Up to AMX_PANEL_MAJOR_ROWS rows (decode batches) pair by pair: each
+// pair's panel comes from memory once and its later passes read it from L1/L2. With more rows, pass by pass
+// over AMX_CHUNK_BYTES of the thread's panels at a time: a pass's 32 rows of x stay in L1 while the chunk's
+// panels come from L2, and x is read once a chunk, not once a pair. Pair by pair, a prefill-sized x was read
+// from L3 once for every pair: 4,096 rows of gate_up ran in 12.3 ms, pass by pass in 5.6 (oneDNN 4.0), and
+// 48-64 rows ran 10% slower pass by pass (docs/benchmarks.md, "Round 16").
+constexpr int64_t AMX_PANEL_MAJOR_ROWS = 128;
+constexpr int64_t AMX_CHUNK_BYTES = 1 << 20;
 
 // One pass over a pair's panel w for the row block at a (and the one 16 rows below when TWO); the C tiles
 // land in c_out [16 or 32 rows][32 floats]. No software prefetch: asking for the panel 2 or 4 steps ahead
@@ -253,8 +263,8 @@ bool amx_takes(int64_t k) { return k % AMX_K == 0; }
 
 // out [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias) on AMX tiles, W packed as for run<at::BFloat16>. Rows go 32
 // at a time (two A tiles against the same two B tiles); past 16 rows x is copied into rows padded to a
-// multiple of 16 with zeros, so a tile never reads past x. Each thread walks its contiguous range of pairs,
-// every pass of a pair's panel after the first from L2.
+// multiple of 16 with zeros, so a tile never reads past x. Each thread walks its contiguous range of pairs
+// in the order AMX_PANEL_MAJOR_ROWS picks; a row's result is the same in either order.
 void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1);
   if (m == 0) return;
@@ -283,26 +293,33 @@ void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
     }
     _tile_loadconfig(&cfg);
     alignas(64) float c[2 * AMX_ROWS * 32];
-    for (int64_t pair = begin; pair < end; ++pair) {
+    auto tile_pass = [&](int64_t pair, int64_t pass) {
       const char* w = wp + pair * panel_bytes;
-      for (int64_t pass = 0; pass < passes; ++pass) {
-        const int64_t r0 = 2 * pass * AMX_ROWS;
-        const bool two = 2 * pass + 1 < blocks;
-        if (two)
-          amx_pass<true>(xp + r0 * x_stride, x_stride, w, k_tiles, c);
-        else
-          amx_pass<false>(xp + r0 * x_stride, x_stride, w, k_tiles, c);
-        const int64_t rows = std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0);
-        for (int cb = 0; cb < 2; ++cb) {
-          const int64_t col = (2 * pair + cb) * LANES;
-          const int64_t live = std::min<int64_t>(LANES, n - col);
-          if (live <= 0) break;  // the zero block padding N to a multiple of 32
-          const __mmask16 mask = first_lanes(live);
-          const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-          for (int64_t r = 0; r < rows; ++r)
-            store_row(yp + (r0 + r) * y_stride + col, mask, _mm512_add_ps(_mm512_load_ps(c + r * 32 + cb * LANES), bv));
-        }
+      const int64_t r0 = 2 * pass * AMX_ROWS;
+      const bool two = 2 * pass + 1 < blocks;
+      if (two)
+        amx_pass<true>(xp + r0 * x_stride, x_stride, w, k_tiles, c);
+      else
+        amx_pass<false>(xp + r0 * x_stride, x_stride, w, k_tiles, c);
+      const int64_t rows = std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0);
+      for (int cb = 0; cb < 2; ++cb) {
+        const int64_t col = (2 * pair + cb) * LANES;
+        const int64_t live = std::min<int64_t>(LANES, n - col);
+        if (live <= 0) break;  // the zero block padding N to a multiple of 32
+        const __mmask16 mask = first_lanes(live);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r)
+          store_row(yp + (r0 + r) * y_stride + col, mask, _mm512_add_ps(_mm512_load_ps(c + r * 32 + cb * LANES), bv));
       }
+    };
+    if (m <= AMX_PANEL_MAJOR_ROWS) {
+      for (int64_t pair = begin; pair < end; ++pair)
+        for (int64_t pass = 0; pass < passes; ++pass) tile_pass(pair, pass);
+    } else {
+      const int64_t chunk = std::max<int64_t>(1, AMX_CHUNK_BYTES / panel_bytes);
+      for (int64_t p0 = begin; p0 < end; p0 += chunk)
+        for (int64_t pass = 0; pass < passes; ++pass)
+          for (int64_t pair = p0; pair < std::min(end, p0 + chunk); ++pair) tile_pass(pair, pass);
     }
     _tile_release();
   });
