@@ -20,7 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from streamkv.model.linear import Linear, SmallMatmul, small_linear_max_rows
+from streamkv.model.linear import (
+    AMX_NARROW_MAX_COLUMNS,
+    AMX_NARROW_MAX_ROWS,
+    Linear,
+    SmallMatmul,
+    small_linear_max_rows,
+)
 from streamkv.ops.cpu_ops import load_linear_ops, set_amx
 
 ops = load_linear_ops()
@@ -190,9 +196,10 @@ def test_bad_arguments_raise() -> None:
         ops.pack_small_linear(w.half())
 
 
-def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("out_features", [96, AMX_NARROW_MAX_COLUMNS + 32], ids=["narrow", "wide"])
+def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(dtype: torch.dtype, out_features: int) -> None:
     torch.manual_seed(0)
-    layer = Linear(64, 96, bias=True).to(dtype)
+    layer = Linear(64, out_features, bias=True).to(dtype)
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.prepack(32, ops)
     assert layer.weight.numel() == 0 and layer.small is not None
@@ -204,11 +211,19 @@ def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(dtype: to
             calls.append(args[1].shape[0])
             real.small_linear(*args)
 
+        def amx(self) -> bool:
+            return bool(real.amx())
+
     layer.small = dataclasses.replace(layer.small, ops=Spy())
     most = small_linear_max_rows(ops, dtype)
+    wide = AMX_NARROW_MAX_ROWS
     if most == sys.maxsize:  # fp32 on an AVX2 build: the kernel takes every batch, no oneDNN copy is kept
         assert layer.packed_weight is None
         sizes, expected = (1, 300, 1100), [1, 300, 1100]
+    elif dtype == torch.bfloat16 and ops.amx() and out_features <= AMX_NARROW_MAX_COLUMNS:
+        # A narrow bf16 weight stays on the AMX kernel up to AMX_NARROW_MAX_ROWS, where oneDNN would use one thread.
+        assert layer.packed_weight is not None
+        sizes, expected = (1, most, most + 1, wide, wide + 1), [1, most, most + 1, wide]
     else:
         assert layer.packed_weight is not None
         sizes, expected = (1, most, most + 1, 300), [1, most]

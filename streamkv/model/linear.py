@@ -57,6 +57,16 @@ SMALL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
 # on its batch or chunk, and no oneDNN copy of the weights is kept.
 SMALL_LINEAR_MAX_ROWS_AVX2 = sys.maxsize
 
+# bf16 on AMX tiles (run_amx, small_linear.cpp) also takes up to AMX_NARROW_MAX_ROWS rows of a weight with at most
+# AMX_NARROW_MAX_COLUMNS outputs (qkv, o and down_proj here, not gate_up or the LM head). oneDNN's bf16 matmul
+# runs such shapes on one of two threads at 512-1,024 rows (down_proj up to 1,280), where run_amx splits the
+# column pairs between the threads: a prefill chunk of the default 512-token budget and a 1,024-token step
+# (8 x 128-token prompts) run down_proj 1.7-1.9x, o 1.8x and qkv 1.0-1.7x faster (o loses 0.9x at 896-1,024
+# rows); past that, and for gate_up at any size past 128, oneDNN's two threads are ahead (0.7-0.9x;
+# docs/benchmarks.md, "Round 16"). Only while the AMX switch is on: vdpbf16ps is 4x slower there.
+AMX_NARROW_MAX_COLUMNS = 1024
+AMX_NARROW_MAX_ROWS = 1024
+
 # int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows and is on
 # par with oneDNN's bf16 matmul at prefill sizes (load_tests/bench_small_linear.py, int8 rows), and one kernel
 # for every row count keeps a row's result independent of the batch it is in.
@@ -108,6 +118,8 @@ class SmallMatmul:
         max_rows: most rows of ``x`` sent to the kernel (larger batches take oneDNN).
         scale: float32 ``[N]`` for int8 weights, else ``None``.
         bias: float32 ``[N]`` (the kernels add it in fp32) or ``None``.
+        amx_rows: most rows sent to the kernel while its bf16 matmuls run on AMX tiles
+            (``AMX_NARROW_MAX_ROWS`` for narrow bf16 weights, else ``max_rows``).
     """
 
     ops: ModuleType
@@ -116,6 +128,7 @@ class SmallMatmul:
     max_rows: int
     scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    amx_rows: int = 0
 
     @classmethod
     def pack(
@@ -131,10 +144,17 @@ class SmallMatmul:
             q, scale = int8
             return cls(ops, ops.pack_small_linear_int8(q.contiguous()), q.shape[0], INT8_MAX_ROWS, scale, b)
         w = weight.detach().contiguous()
-        return cls(ops, ops.pack_small_linear(w), w.shape[0], small_linear_max_rows(ops, w.dtype), None, b)
+        max_rows = small_linear_max_rows(ops, w.dtype)
+        narrow = w.dtype == torch.bfloat16 and w.shape[0] <= AMX_NARROW_MAX_COLUMNS
+        amx_rows = max(max_rows, AMX_NARROW_MAX_ROWS) if narrow else max_rows
+        return cls(ops, ops.pack_small_linear(w), w.shape[0], max_rows, None, b, amx_rows)
+
+    def takes(self, rows: int) -> bool:
+        """Whether ``rows`` rows of ``x`` run on this kernel (else oneDNN): ``max_rows``, or ``amx_rows`` under AMX."""
+        return rows <= self.max_rows or (rows <= self.amx_rows and bool(self.ops.amx()))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K]`` (float32/bfloat16, ``M <= max_rows``) -> ``[M, N]`` in ``x``'s dtype.
+        """``x [M, K]`` (float32/bfloat16, any ``M``; :meth:`takes` says where it is fastest) -> ``[M, N]``.
 
         Float weights: fp32 accumulates in fp32; bf16 multiplies bf16 pairs and
         accumulates in fp32, rounding once to bf16 (oneDNN's contract, another
@@ -175,7 +195,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` -> ``[N, out]``."""
-        if self.small is not None and x.shape[0] <= self.small.max_rows:
+        if self.small is not None and self.small.takes(x.shape[0]):
             return self.small(x)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)

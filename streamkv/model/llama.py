@@ -209,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (rows that sample) -> float32 logits ``[N, vocab_size]``."""
-        if self.small_lm_head is not None and hidden.shape[0] <= self.small_lm_head.max_rows:
+        if self.small_lm_head is not None and self.small_lm_head.takes(hidden.shape[0]):
             logits = self.small_lm_head(hidden)
         elif self.packed_lm_head is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_lm_head, None, "none", [], "")

@@ -262,10 +262,14 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) 
         logger.info("every matmul on the small-batch linear kernel (no oneDNN copy): %.0f MiB of weights", mib)
         return
     amx = dtype == torch.bfloat16 and bool(kernels[0].ops.amx())
+    narrow = [s for s in kernels if s.amx_rows > s.max_rows] if amx else []
+    where = ", on AMX tiles" if amx else ""
+    if narrow:
+        where += f" ({len(narrow)} narrow weights up to {max(s.amx_rows for s in narrow)} rows)"
     logger.info(
         "small-batch linear kernel for matmuls of <= %d rows (decode steps)%s: %.0f MiB of weights packed for it",
         rows,
-        ", on AMX tiles" if amx else "",
+        where,
         mib,
     )
 
