@@ -106,6 +106,59 @@ void prefill_generic(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks,
 }
 
 #if defined(__AVX512F__)
+// The vectorised kernels' per-task working set, in per-thread buffers: the task's rows x group query vectors,
+// padded to a multiple of `pad` (the padding repeats the last row's position with a zero query: finite, never
+// written out), each vector's key position, running max, sum and fp32 output, and one tile of K
+// (transposed) and V.
+template <typename qv_t>
+struct TaskVectors {
+  qv_t* q;
+  float* acc;
+  float* maxes;
+  float* sums;
+  float* kt;
+  float* vb;
+  int64_t* pos;
+  int64_t start;    // the sequence's first row of query and out
+  int64_t vectors;  // rows x group
+  int64_t padded;   // vectors rounded up to `pad`
+};
+
+// Lays task t out for a kernel whose vectors hold D elements of qv_t: put(dst, src) stores the query vector
+// src (nullptr for the zero padding) at dst. max_vectors bounds every task's padded vectors.
+template <int64_t D, typename qv_t, typename q_t, typename kv_t, typename Put>
+TaskVectors<qv_t> task_vectors(const Layout<q_t, kv_t>& L, const Task& t, int64_t max_vectors, int64_t pad,
+                               Put&& put) {
+  thread_local std::vector<qv_t> q_buf;
+  thread_local std::vector<float> acc_buf, max_buf, sum_buf, kt_buf, vb_buf;
+  thread_local std::vector<int64_t> pos_buf;
+  q_buf.resize(max_vectors * D), acc_buf.resize(max_vectors * D), max_buf.resize(max_vectors);
+  sum_buf.resize(max_vectors), pos_buf.resize(max_vectors), kt_buf.resize(D * KEYS), vb_buf.resize(KEYS * D);
+  const int64_t start = L.starts[t.seq], vectors = t.rows * L.group;
+  TaskVectors<qv_t> v{q_buf.data(), acc_buf.data(), max_buf.data(), sum_buf.data(), kt_buf.data(),
+                      vb_buf.data(),  pos_buf.data(), start,         vectors,        (vectors + pad - 1) / pad * pad};
+  const int64_t ctx0 = L.seq_lens[t.seq] - (L.starts[t.seq + 1] - start);
+  for (int64_t m = 0; m < v.padded; ++m) {
+    const int64_t r = std::min(m, vectors - 1) / L.group;
+    v.pos[m] = ctx0 + t.row0 + r;
+    put(v.q + m * D, m < vectors ? L.query_row(start + t.row0 + r, t.kv_head * L.group + m % L.group) : nullptr);
+    std::fill(v.acc + m * D, v.acc + m * D + D, 0.f);
+    v.maxes[m] = -std::numeric_limits<float>::infinity();
+    v.sums[m] = 0.f;
+  }
+  return v;
+}
+
+// Every real vector's output row: acc / sum, rounded to the query's dtype.
+template <int64_t D, typename qv_t, typename q_t, typename kv_t>
+void write_task_out(const Layout<q_t, kv_t>& L, const Task& t, const TaskVectors<qv_t>& v) {
+  for (int64_t m = 0; m < v.vectors; ++m) {
+    const float inv = 1.f / v.sums[m];
+    q_t* dst = L.out_row(v.start + t.row0 + m / L.group, t.kv_head * L.group + m % L.group);
+    for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<q_t>(v.acc[m * D + i] * inv);
+  }
+}
+
 // Scores of R query vectors (from q + m0 * D) against the first KN 16-key chunks of a tile (kt, see
 // load_tile / load_tile_bf16), into s[i][0 .. KN): broadcast FMAs over d, no horizontal sums. DOT: bf16
 // pairs through vdpbf16ps, then times the softmax scale (fp32 queries carry it already). Inlined into
@@ -149,40 +202,23 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
   constexpr int64_t D = 16 * C;
   const int64_t max_vectors = (max_rows * L.group + R - 1) / R * R;
   run_tasks(tasks, [&](const Task& t) {
-    thread_local std::vector<float> q_buf, acc_buf, max_buf, sum_buf, kt_buf, vb_buf;
-    thread_local std::vector<int64_t> pos_buf;
-    q_buf.resize(max_vectors * D), acc_buf.resize(max_vectors * D), max_buf.resize(max_vectors);
-    sum_buf.resize(max_vectors), pos_buf.resize(max_vectors), kt_buf.resize(D * KEYS), vb_buf.resize(KEYS * D);
-    float* __restrict q = q_buf.data();
-    float* __restrict acc = acc_buf.data();
-    float* __restrict maxes = max_buf.data();
-    float* __restrict sums = sum_buf.data();
-    float* __restrict kt = kt_buf.data();
-    float* __restrict vb = vb_buf.data();
-    int64_t* __restrict pos = pos_buf.data();
-    const int64_t start = L.starts[t.seq];
-    const int64_t ctx0 = L.seq_lens[t.seq] - (L.starts[t.seq + 1] - start);
-    const int64_t vectors = t.rows * L.group;
-    const int64_t padded = (vectors + R - 1) / R * R;
-    // Padding vectors repeat the last row's position with a zero query: finite, never written out.
-    for (int64_t m = 0; m < padded; ++m) {
-      const int64_t r = std::min(m, vectors - 1) / L.group;
-      pos[m] = ctx0 + t.row0 + r;
-      float* dst = q + m * D;
-      if (m < vectors) {
-        const q_t* src = L.query_row(start + t.row0 + r, t.kv_head * L.group + m % L.group);
-        if constexpr (DOT) {
-          std::memcpy(dst, src, D * sizeof(q_t));  // bf16 pairs as they are; the scale goes on the scores
-        } else {
-          for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * scale;
-        }
-      } else {
+    const TaskVectors<float> v = task_vectors<D, float>(L, t, max_vectors, R, [&](float* dst, const q_t* src) {
+      if (src == nullptr) {
         std::fill(dst, dst + D, 0.f);
+      } else if constexpr (DOT) {
+        std::memcpy(dst, src, D * sizeof(q_t));  // bf16 pairs as they are; the scale goes on the scores
+      } else {
+        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * scale;
       }
-      std::fill(acc + m * D, acc + m * D + D, 0.f);
-      maxes[m] = -std::numeric_limits<float>::infinity();
-      sums[m] = 0.f;
-    }
+    });
+    float* __restrict q = v.q;
+    float* __restrict acc = v.acc;
+    float* __restrict maxes = v.maxes;
+    float* __restrict sums = v.sums;
+    float* __restrict kt = v.kt;
+    float* __restrict vb = v.vb;
+    const int64_t* __restrict pos = v.pos;
+    const int64_t padded = v.padded;
     const int64_t last = pos[padded - 1];
     alignas(64) float kscale[KEYS];
     for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
@@ -283,11 +319,7 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
           for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (m0 + i) * D + 16 * c, a[i][c]);
       }
     }
-    for (int64_t m = 0; m < vectors; ++m) {
-      const float inv = 1.f / sums[m];
-      q_t* dst = L.out_row(start + t.row0 + m / L.group, t.kv_head * L.group + m % L.group);
-      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<q_t>(acc[m * D + i] * inv);
-    }
+    write_task_out<D>(L, t, v);
   });
 }
 #endif
@@ -372,34 +404,21 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
   constexpr int64_t V = 16;  // query vectors per tile
   const int64_t max_vectors = (max_rows * L.group + V - 1) / V * V;
   run_tasks(tasks, [&](const Task& t) {
-    thread_local std::vector<at::BFloat16> q_buf;
-    thread_local std::vector<float> acc_buf, max_buf, sum_buf, kt_buf, vb_buf;
-    thread_local std::vector<int64_t> pos_buf;
-    q_buf.resize(max_vectors * D), acc_buf.resize(max_vectors * D), max_buf.resize(max_vectors);
-    sum_buf.resize(max_vectors), pos_buf.resize(max_vectors), kt_buf.resize(D * KEYS), vb_buf.resize(KEYS * D);
-    at::BFloat16* __restrict q = q_buf.data();
-    float* __restrict acc = acc_buf.data();
-    float* __restrict maxes = max_buf.data();
-    float* __restrict sums = sum_buf.data();
-    float* __restrict kt = kt_buf.data();
-    float* __restrict vb = vb_buf.data();
-    int64_t* __restrict pos = pos_buf.data();
-    const int64_t start = L.starts[t.seq];
-    const int64_t ctx0 = L.seq_lens[t.seq] - (L.starts[t.seq + 1] - start);
-    const int64_t vectors = t.rows * L.group;
-    const int64_t padded = (vectors + V - 1) / V * V;
-    // Padding vectors repeat the last row's position with a zero query: finite, never written out.
-    for (int64_t m = 0; m < padded; ++m) {
-      const int64_t r = std::min(m, vectors - 1) / L.group;
-      pos[m] = ctx0 + t.row0 + r;
-      if (m < vectors)
-        std::memcpy(q + m * D, L.query_row(start + t.row0 + r, t.kv_head * L.group + m % L.group), D * 2);
-      else
-        std::fill(q + m * D, q + (m + 1) * D, at::BFloat16(0.f));
-      std::fill(acc + m * D, acc + m * D + D, 0.f);
-      maxes[m] = -std::numeric_limits<float>::infinity();
-      sums[m] = 0.f;
-    }
+    const TaskVectors<at::BFloat16> v =
+        task_vectors<D, at::BFloat16>(L, t, max_vectors, V, [&](at::BFloat16* dst, const at::BFloat16* src) {
+          if (src == nullptr)
+            std::fill(dst, dst + D, at::BFloat16(0.f));
+          else
+            std::memcpy(dst, src, D * 2);
+        });
+    at::BFloat16* __restrict q = v.q;
+    float* __restrict acc = v.acc;
+    float* __restrict maxes = v.maxes;
+    float* __restrict sums = v.sums;
+    float* __restrict kt = v.kt;
+    float* __restrict vb = v.vb;
+    const int64_t* __restrict pos = v.pos;
+    const int64_t padded = v.padded;
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
     _tile_loadconfig(&cfg);
@@ -469,11 +488,7 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
       }
     }
     _tile_release();
-    for (int64_t m = 0; m < vectors; ++m) {
-      const float inv = 1.f / sums[m];
-      at::BFloat16* dst = L.out_row(start + t.row0 + m / L.group, t.kv_head * L.group + m % L.group);
-      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<at::BFloat16>(acc[m * D + i] * inv);
-    }
+    write_task_out<D>(L, t, v);
   });
 }
 #endif
