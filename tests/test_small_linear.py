@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from streamkv.model.linear import (
     AMX_NARROW_MAX_COLUMNS,
     AMX_NARROW_MAX_ROWS,
+    AMX_TILE_K,
     Linear,
     SmallMatmul,
     small_linear_max_rows,
@@ -141,6 +142,16 @@ def test_strided_rows_of_x_and_out(dtype: torch.dtype, rows: int, k: int) -> Non
     assert out_buf[:, :4].isnan().all() and out_buf[:, 44:].isnan().all()  # nothing written past its columns
 
 
+def test_no_k_gives_the_bias(dtype: torch.dtype) -> None:
+    # K = 0: every output is the bias alone, at decode sizes and past 128 rows (run_amx's pass-by-pass order).
+    packed = ops.pack_small_linear(torch.empty(40, 0, dtype=dtype))
+    b = torch.randn(40).to(dtype)
+    for rows in (1, 200):
+        out = torch.full((rows, 40), float("nan"), dtype=dtype)
+        ops.small_linear(out, torch.empty(rows, 0, dtype=dtype), packed, b)
+        assert torch.equal(out, b.expand(rows, 40))
+
+
 @NO_AMX
 def test_amx_runs_its_own_kernel() -> None:
     # The bfloat16-amx cases above would pass on the vdpbf16ps kernel too: the two kernels sum in different
@@ -196,10 +207,23 @@ def test_bad_arguments_raise() -> None:
         ops.pack_small_linear(w.half())
 
 
-@pytest.mark.parametrize("out_features", [96, AMX_NARROW_MAX_COLUMNS + 32], ids=["narrow", "wide"])
-def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(dtype: torch.dtype, out_features: int) -> None:
+@pytest.mark.parametrize(
+    "in_features, out_features, amx",
+    [
+        (64, 96, False),
+        (64, AMX_NARROW_MAX_COLUMNS, True),
+        (64, AMX_NARROW_MAX_COLUMNS + 1, True),
+        (40, 96, True),  # K not a multiple of AMX_TILE_K: run_amx does not take it, so neither do the extra rows
+    ],
+    ids=["amx-off", "narrow", "wide", "odd-k"],
+)
+def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(
+    dtype: torch.dtype, in_features: int, out_features: int, amx: bool
+) -> None:
+    # The routing reads the switch through ops.amx(); the spy answers `amx` whatever the CPU, so every host with
+    # the bf16 kernel checks the AMX routing (the rows still run on whichever kernel the CPU has, within bounds).
     torch.manual_seed(0)
-    layer = Linear(64, out_features, bias=True).to(dtype)
+    layer = Linear(in_features, out_features, bias=True).to(dtype)
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.prepack(32, ops)
     assert layer.weight.numel() == 0 and layer.small is not None
@@ -212,23 +236,23 @@ def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(dtype: to
             real.small_linear(*args)
 
         def amx(self) -> bool:
-            return bool(real.amx())
+            return amx
 
     layer.small = dataclasses.replace(layer.small, ops=Spy())
     most = small_linear_max_rows(ops, dtype)
-    wide = AMX_NARROW_MAX_ROWS
+    narrow = AMX_NARROW_MAX_ROWS
     if most == sys.maxsize:  # fp32 on an AVX2 build: the kernel takes every batch, no oneDNN copy is kept
         assert layer.packed_weight is None
         sizes, expected = (1, 300, 1100), [1, 300, 1100]
-    elif dtype == torch.bfloat16 and ops.amx() and out_features <= AMX_NARROW_MAX_COLUMNS:
+    elif dtype == torch.bfloat16 and amx and out_features <= AMX_NARROW_MAX_COLUMNS and in_features % AMX_TILE_K == 0:
         # A narrow bf16 weight stays on the AMX kernel up to AMX_NARROW_MAX_ROWS, where oneDNN would use one thread.
         assert layer.packed_weight is not None
-        sizes, expected = (1, most, most + 1, wide, wide + 1), [1, most, most + 1, wide]
+        sizes, expected = (1, most, most + 1, narrow, narrow + 1), [1, most, most + 1, narrow]
     else:
         assert layer.packed_weight is not None
-        sizes, expected = (1, most, most + 1, 300), [1, most]
+        sizes, expected = (1, most, most + 1, narrow), [1, most]
     for rows in sizes:
-        x = torch.randn(rows, 64).to(dtype)
+        x = torch.randn(rows, in_features).to(dtype)
         assert_close(layer(x), x, w, b)
     assert calls == expected
 

@@ -25,7 +25,10 @@ On a CPU with AMX-BF16 (Sapphire Rapids and later) the bf16 kernel runs on
 AMX tiles (``tdpbf16ps``): there ``vdpbf16ps`` alone fell to 0.25x oneDNN's
 AMX matmul at 64 rows, and the tile kernel is 1.2-1.3x oneDNN up to 32 rows
 and on par at 64-128, one kernel for every decode batch as before
-(docs/benchmarks.md, "Round 15").
+(docs/benchmarks.md, "Round 15"). While AMX is on it also takes narrow bf16
+weights (:data:`AMX_NARROW_MAX_COLUMNS` outputs or fewer) up to
+:data:`AMX_NARROW_MAX_ROWS` rows, where oneDNN often leaves a thread idle
+(:meth:`SmallMatmul.takes`; "Round 16").
 
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
 ``int8``) keeps only int8 codes and a float32 scale per output, run by the
@@ -48,7 +51,8 @@ from torch import nn
 # / 128 rows in fp32 and 1.52x / 1.43x / 1.25x / 1.15x in bf16, on par (1.01x, 1.00x) at 256. Up to 128 rows
 # covers every pure-decode batch of the default max_num_seqs (64) on one kernel, so a decode row's result does not
 # depend on how many rows decode with it (a step that also carries a prefill chunk of more rows runs on oneDNN,
-# whose sums run in another order: there the last bits can differ).
+# whose sums run in another order, or on the AMX kernel's narrow weights up to 1,024 rows: there the last bits
+# of gate_up can differ).
 SMALL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
 # An AVX2 build's fp32 kernel (no AVX-512; load_tests/bench_small_linear.py, 2 threads, 2026-12-03 round 10):
 # 1.2-1.5x oneDNN at 1-32 rows, 1.2x at 64, 1.1x at 128, on par at 256; with rows in blocks of 512, on par or
@@ -58,14 +62,15 @@ SMALL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
 SMALL_LINEAR_MAX_ROWS_AVX2 = sys.maxsize
 
 # bf16 on AMX tiles (run_amx, small_linear.cpp) also takes up to AMX_NARROW_MAX_ROWS rows of a weight with at most
-# AMX_NARROW_MAX_COLUMNS outputs (qkv, o and down_proj here, not gate_up or the LM head). oneDNN's bf16 matmul
-# runs such shapes on one of two threads at 512-1,024 rows (down_proj up to 1,280), where run_amx splits the
-# column pairs between the threads: a prefill chunk of the default 512-token budget and a 1,024-token step
-# (8 x 128-token prompts) run down_proj 1.7-1.9x, o 1.8x and qkv 1.0-1.7x faster (o loses 0.9x at 896-1,024
-# rows); past that, and for gate_up at any size past 128, oneDNN's two threads are ahead (0.7-0.9x;
-# docs/benchmarks.md, "Round 16"). Only while the AMX switch is on: vdpbf16ps is 4x slower there.
+# AMX_NARROW_MAX_COLUMNS outputs and K a multiple of AMX_TILE_K (in SmolLM2: qkv, o and down_proj, not gate_up or
+# the LM head). On 2 threads oneDNN's bf16 matmul runs many of those shapes on one thread (o up to 768 rows,
+# qkv at 768-1,024, down_proj from 256 to at least 1,280), while run_amx always splits the column pairs between
+# the threads: at 512 and 1,024 rows down_proj runs 1.6-2.0x faster, qkv 1.1-1.7x, o 1.8x at 512 and 0.86-0.89x
+# at 896-1,024 (docs/benchmarks.md, "Round 16"). Past 1,024 rows, and for gate_up past 128, oneDNN is ahead.
+# Only while the AMX switch is on: the vdpbf16ps kernel is 4x slower at these sizes.
 AMX_NARROW_MAX_COLUMNS = 1024
 AMX_NARROW_MAX_ROWS = 1024
+AMX_TILE_K = 32  # run_amx takes K in whole tile steps of 32; other weights run the vdpbf16ps kernel
 
 # int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows and is on
 # par with oneDNN's bf16 matmul at prefill sizes (load_tests/bench_small_linear.py, int8 rows), and one kernel
@@ -115,7 +120,8 @@ class SmallMatmul:
         ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module.
         packed: ``pack_small_linear`` (float) or ``pack_small_linear_int8`` (int8) of the weight.
         out_features: ``N``.
-        max_rows: most rows of ``x`` sent to the kernel (larger batches take oneDNN).
+        max_rows: most rows of ``x`` sent to the kernel whichever its instructions (larger batches take oneDNN,
+            but see ``amx_rows``).
         scale: float32 ``[N]`` for int8 weights, else ``None``.
         bias: float32 ``[N]`` (the kernels add it in fp32) or ``None``.
         amx_rows: most rows sent to the kernel while its bf16 matmuls run on AMX tiles
@@ -142,10 +148,11 @@ class SmallMatmul:
         b = None if bias is None else bias.detach().float().contiguous()
         if int8 is not None:
             q, scale = int8
-            return cls(ops, ops.pack_small_linear_int8(q.contiguous()), q.shape[0], INT8_MAX_ROWS, scale, b)
+            packed = ops.pack_small_linear_int8(q.contiguous())
+            return cls(ops, packed, q.shape[0], INT8_MAX_ROWS, scale, b, INT8_MAX_ROWS)
         w = weight.detach().contiguous()
         max_rows = small_linear_max_rows(ops, w.dtype)
-        narrow = w.dtype == torch.bfloat16 and w.shape[0] <= AMX_NARROW_MAX_COLUMNS
+        narrow = w.dtype == torch.bfloat16 and w.shape[0] <= AMX_NARROW_MAX_COLUMNS and w.shape[1] % AMX_TILE_K == 0
         amx_rows = max(max_rows, AMX_NARROW_MAX_ROWS) if narrow else max_rows
         return cls(ops, ops.pack_small_linear(w), w.shape[0], max_rows, None, b, amx_rows)
 

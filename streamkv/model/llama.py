@@ -259,7 +259,8 @@ class LlamaForCausalLM(nn.Module):
             batch_size_hint: rows per matmul the packed layout is tuned for
                 (any row count works).
             small_ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module: matmuls of up to
-                ``SmallMatmul.max_rows`` rows (decode steps) then run on its kernel, from a
+                ``SmallMatmul.max_rows`` rows (decode steps; ``amx_rows`` for narrow bf16
+                weights while AMX is on, :meth:`SmallMatmul.takes`) then run on its kernel, from a
                 second packed copy of each weight (float32 and bfloat16 only); where it
                 takes every batch size (float32 on an AVX2 build) it is the only copy.
             int8: every projection and the LM head become their int8 models

@@ -218,10 +218,12 @@ constexpr int64_t AMX_K = 32;          // bf16 of k per tile step (16 pairs, 64 
 constexpr int64_t AMX_STEP_BYTES = 2048;  // one tile step of a pair's panel: 16 pairs x 2 blocks x 64 bytes
 // The order of a thread's tile passes. Up to AMX_PANEL_MAJOR_ROWS rows (decode batches) pair by pair: each
 // pair's panel comes from memory once and its later passes read it from L1/L2. With more rows, pass by pass
-// over AMX_CHUNK_BYTES of the thread's panels at a time: a pass's 32 rows of x stay in L1 while the chunk's
-// panels come from L2, and x is read once a chunk, not once a pair. Pair by pair, a prefill-sized x was read
-// from L3 once for every pair: 4,096 rows of gate_up ran in 12.3 ms, pass by pass in 5.6 (oneDNN 4.0), and
-// 48-64 rows ran 10% slower pass by pass (docs/benchmarks.md, "Round 16").
+// over AMX_CHUNK_BYTES of the thread's panels at a time: a pass's 32 rows of x (36 KB at K = 576, 96 KB at
+// 1,536) stay in L1 or L2 while the chunk's panels come from L2, and x is read once a chunk, not once a pair.
+// Pair by pair, a prefill-sized x was read from L3 once for every pair: 4,096 rows of gate_up ran in 12.3 ms
+// (oneDNN 4.3), pass by pass in 5.6 (oneDNN 4.0, the same run); a whole decode step's matmuls at 48 / 64
+// rows took 15.5-15.7 / 16.9-17.0 ms pass by pass against 14.7-14.9 / 15.5 pair by pair (docs/benchmarks.md,
+// "Round 16").
 constexpr int64_t AMX_PANEL_MAJOR_ROWS = 128;
 constexpr int64_t AMX_CHUNK_BYTES = 1 << 20;
 
@@ -316,7 +318,7 @@ void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
       for (int64_t pair = begin; pair < end; ++pair)
         for (int64_t pass = 0; pass < passes; ++pass) tile_pass(pair, pass);
     } else {
-      const int64_t chunk = std::max<int64_t>(1, AMX_CHUNK_BYTES / panel_bytes);
+      const int64_t chunk = panel_bytes > 0 ? std::max<int64_t>(1, AMX_CHUNK_BYTES / panel_bytes) : end - begin;
       for (int64_t p0 = begin; p0 < end; p0 += chunk)
         for (int64_t pass = 0; pass < passes; ++pass)
           for (int64_t pair = p0; pair < std::min(end, p0 + chunk); ++pair) tile_pass(pair, pass);
