@@ -336,9 +336,10 @@ def test_bf16_prefill_rows_are_the_same_in_any_batch(
 ) -> None:
     # A prompt's rows alone, as the first rows of a longer chunk's batch and as a shorter prefix beside other
     # sequences: the same bits (the task split and the 16-vector tile groups differ), or greedy output would
-    # change with the batch mix. Shuffled blocks of a NaN-poisoned pool.
+    # change with the batch mix. Shuffled blocks of a NaN-poisoned pool. 600 tokens cross the AMX kernel's
+    # 512-key softmax blocks, so the running max and sum carry over from one block to the next.
     gen = torch.Generator().manual_seed(head_dim)
-    lens = [150, 7, 150, 40]
+    lens = [600, 7, 600, 40]
     need = [-(-n // 16) for n in lens]
     cache = torch.full((2, sum(need) + 2, 16, num_kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
     order = torch.randperm(cache.shape[1], generator=gen).tolist()
@@ -352,7 +353,7 @@ def test_bf16_prefill_rows_are_the_same_in_any_batch(
         cache.view(2, -1, num_kv_heads, head_dim)[:, slots] = torch.randn(
             2, lens[b], num_kv_heads, head_dim, generator=gen
         ).bfloat16()
-    q0 = torch.randn(150, num_heads, head_dim, generator=gen).bfloat16()
+    q0 = torch.randn(600, num_heads, head_dim, generator=gen).bfloat16()
     other = torch.randn(7 + 40, num_heads, head_dim, generator=gen).bfloat16()
     ops = cpu_paged.load_cpu_ops()
     scale = head_dim**-0.5
@@ -364,13 +365,15 @@ def test_bf16_prefill_rows_are_the_same_in_any_batch(
         return out
 
     with amx_kernels(amx):
-        alone = prefill(q0, [150], [150], tables[:1])
+        alone = prefill(q0, [600], [600], tables[:1])
         assert not alone.isnan().any()
-        batch = prefill(torch.cat([q0, other[:7], q0[:93], other[7:]]), [150, 7, 93, 40], [150, 7, 93, 40], tables)
-        assert torch.equal(batch[:150], alone)
-        assert torch.equal(batch[157:250], alone[:93])  # a prompt of 93 tokens: the same rows
-        chunk = prefill(q0[60:], [90], [150], tables[:1])  # the last 90 rows as a chunk over 60 cached tokens
+        batch = prefill(torch.cat([q0, other[:7], q0[:93], other[7:]]), [600, 7, 93, 40], [600, 7, 93, 40], tables)
+        assert torch.equal(batch[:600], alone)
+        assert torch.equal(batch[607:700], alone[:93])  # a prompt of 93 tokens: the same rows
+        chunk = prefill(q0[60:], [540], [600], tables[:1])  # the last 540 rows as a chunk over 60 cached tokens
         assert torch.equal(chunk, alone[60:])
+        tail = prefill(q0[530:], [70], [600], tables[:1])  # a chunk that starts in the second block
+        assert torch.equal(tail, alone[530:])
 
 
 @pytest.mark.skipif(not AMX_PREFILL, reason=NEEDS_AMX)

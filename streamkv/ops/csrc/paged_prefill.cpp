@@ -125,15 +125,16 @@ struct TaskVectors {
 };
 
 // Lays task t out for a kernel whose vectors hold D elements of qv_t: put(dst, src) stores the query vector
-// src (nullptr for the zero padding) at dst. max_vectors bounds every task's padded vectors.
+// src (nullptr for the zero padding) at dst. max_vectors bounds every task's padded vectors; tiles is the number of
+// 64-key K/V tiles (kt, vb) the kernel holds at once.
 template <int64_t D, typename qv_t, typename q_t, typename kv_t, typename Put>
 TaskVectors<qv_t> task_vectors(const Layout<q_t, kv_t>& L, const Task& t, int64_t max_vectors, int64_t pad,
-                               Put&& put) {
+                               int64_t tiles, Put&& put) {
   thread_local std::vector<qv_t> q_buf;
   thread_local std::vector<float> acc_buf, max_buf, sum_buf, kt_buf, vb_buf;
   thread_local std::vector<int64_t> pos_buf;
   q_buf.resize(max_vectors * D), acc_buf.resize(max_vectors * D), max_buf.resize(max_vectors);
-  sum_buf.resize(max_vectors), pos_buf.resize(max_vectors), kt_buf.resize(D * KEYS), vb_buf.resize(KEYS * D);
+  sum_buf.resize(max_vectors), pos_buf.resize(max_vectors), kt_buf.resize(tiles * D * KEYS), vb_buf.resize(tiles * KEYS * D);
   const int64_t start = L.starts[t.seq], vectors = t.rows * L.group;
   TaskVectors<qv_t> v{q_buf.data(), acc_buf.data(), max_buf.data(), sum_buf.data(), kt_buf.data(),
                       vb_buf.data(),  pos_buf.data(), start,         vectors,        (vectors + pad - 1) / pad * pad};
@@ -202,7 +203,7 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
   constexpr int64_t D = 16 * C;
   const int64_t max_vectors = (max_rows * L.group + R - 1) / R * R;
   run_tasks(tasks, [&](const Task& t) {
-    const TaskVectors<float> v = task_vectors<D, float>(L, t, max_vectors, R, [&](float* dst, const q_t* src) {
+    const TaskVectors<float> v = task_vectors<D, float>(L, t, max_vectors, R, 1, [&](float* dst, const q_t* src) {
       if (src == nullptr) {
         std::fill(dst, dst + D, 0.f);
       } else if constexpr (DOT) {
@@ -327,18 +328,28 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 #if defined(STREAMKV_AMX)
 // bf16 query on bf16 KV on AMX tiles (tdpbf16ps): prefill_avx512's loop with its two products as tile
 // products, 16 query vectors (one tile's rows) at a time; the online softmax between them stays AVX-512 fp32.
+// The softmax runs over blocks of BLOCK = 256 keys (four of load_tile_bf16's 64-key tiles), so a vector's
+// per-block work (two horizontal reductions, the rescale factor's exp, the rescale of its accumulators)
+// is paid once per 256 keys; at 64 keys it was a third of a long prompt's attention time.
 // Tiles, all 16 rows x 64 bytes:
-//   scores:  0-3  S [16 vectors x 16 keys] fp32, key chunks 0-3 of the 64-key tile
+//   scores:  0-3  S [16 vectors x 16 keys] fp32, key chunks 0-3 of one 64-key tile
 //            4    A: the 16 vectors' bf16 queries, 32 dims (a row of 64 bytes; q_buf holds them end to end)
 //            5-7  B: kt's rows for 16 dim pairs x 16 keys (load_tile_bf16's layout is the tile's (k, k+1) pairs)
-//   P . V:   0-3  the vectors' fp32 sums for 64 dims, loaded from acc and stored back (a 128-dim head: twice)
+//   P . V:   0-3  the vectors' fp32 sums for 64 dims, loaded from acc once a block and stored back (a 128-dim
+//                 head: twice)
 //            4    A: P [16 vectors x 32 keys] bf16, the rounded softmax weights
 //            5-7  B: vb's rows for 16 key pairs x 16 dims
 // The same products as prefill_avx512's DOT path (bf16 pairs multiplied exactly, summed in fp32 in k order,
 // p rounded to bf16 and the sum counting the rounded weights); tdpbf16ps treats denormal inputs and outputs as
-// zero, as vdpbf16ps does. A vector's result depends only on its own row of each tile, so it is the same in any
-// task split and batch. Key pairs past a tile's last key are zeroed in vb before a P . V step can read them
-// (their weights are 0, and 0 x NaN would not be).
+// zero, as vdpbf16ps does. A vector's result depends only on its own row of each tile and on the block
+// boundaries, which sit at fixed positions (0, 256, ...), so it is the same in any task split, batch and chunk.
+// Key pairs past the block's last key are zeroed in vb before a P . V step can read them (their weights are 0,
+// and 0 x NaN would not be).
+constexpr int SUBTILES = 8;                  // 64-key tiles per softmax block
+constexpr int64_t BLOCK = SUBTILES * KEYS;   // keys per softmax block
+constexpr int BLOCK_CHUNKS = BLOCK / 16;     // 16-key chunks per block
+
+// S [16 vectors][KN * 16 keys] (row stride BLOCK floats) = q . kt for the first KN 16-key chunks of one tile.
 template <int KN, int64_t D>
 __attribute__((always_inline)) inline void amx_scores(const at::BFloat16* q, const float* kt, float* s) {
   _tile_zero(0);
@@ -363,24 +374,24 @@ __attribute__((always_inline)) inline void amx_scores(const at::BFloat16* q, con
       _tile_dpbf16ps(3, 4, 5);
     }
   }
-  _tile_stored(0, s, KEYS * 4);
-  if constexpr (KN > 1) _tile_stored(1, s + 16, KEYS * 4);
-  if constexpr (KN > 2) _tile_stored(2, s + 32, KEYS * 4);
-  if constexpr (KN > 3) _tile_stored(3, s + 48, KEYS * 4);
+  _tile_stored(0, s, BLOCK * 4);
+  if constexpr (KN > 1) _tile_stored(1, s + 16, BLOCK * 4);
+  if constexpr (KN > 2) _tile_stored(2, s + 32, BLOCK * 4);
+  if constexpr (KN > 3) _tile_stored(3, s + 48, BLOCK * 4);
 }
 
-// acc [16 vectors][D] += P [16][KEYS] bf16 (the first 32 * UN keys) . vb (the first 16 * UN key pairs).
-template <int UN, int64_t D>
-__attribute__((always_inline)) inline void amx_pv(const uint16_t* p, const float* vb, float* acc) {
+// acc [16 vectors][D] += P [16][BLOCK] bf16 (its first 32 * units keys) . vb (the first 16 * units key pairs).
+template <int64_t D>
+__attribute__((always_inline)) inline void amx_pv(const uint16_t* p, const float* vb, int64_t units, float* acc) {
   for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
     float* a = acc + 16 * c0;
     _tile_loadd(0, a, D * 4);
     _tile_loadd(1, a + 16, D * 4);
     _tile_loadd(2, a + 32, D * 4);
     _tile_loadd(3, a + 48, D * 4);
-    for (int u = 0; u < UN; ++u) {
+    for (int64_t u = 0; u < units; ++u) {
       const float* b = vb + 16 * u * D + 16 * c0;  // key pairs 16u .. 16u + 15, dims 16 c0 ..
-      _tile_loadd(4, p + 32 * u, KEYS * 2);
+      _tile_loadd(4, p + 32 * u, BLOCK * 2);
       _tile_loadd(5, b, D * 4);
       _tile_dpbf16ps(0, 4, 5);
       _tile_loadd(6, b + 16, D * 4);
@@ -404,8 +415,8 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
   constexpr int64_t V = 16;  // query vectors per tile
   const int64_t max_vectors = (max_rows * L.group + V - 1) / V * V;
   run_tasks(tasks, [&](const Task& t) {
-    const TaskVectors<at::BFloat16> v =
-        task_vectors<D, at::BFloat16>(L, t, max_vectors, V, [&](at::BFloat16* dst, const at::BFloat16* src) {
+    const TaskVectors<at::BFloat16> v = task_vectors<D, at::BFloat16>(
+        L, t, max_vectors, V, SUBTILES, [&](at::BFloat16* dst, const at::BFloat16* src) {
           if (src == nullptr)
             std::fill(dst, dst + D, at::BFloat16(0.f));
           else
@@ -415,76 +426,89 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
     float* __restrict acc = v.acc;
     float* __restrict maxes = v.maxes;
     float* __restrict sums = v.sums;
-    float* __restrict kt = v.kt;
-    float* __restrict vb = v.vb;
+    float* __restrict kt = v.kt;  // SUBTILES tiles of [D / 2][KEYS] dwords
+    float* __restrict vb = v.vb;  // [BLOCK / 2][D] dwords: the tiles' key pairs end to end
     const int64_t* __restrict pos = v.pos;
     const int64_t padded = v.padded;
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
     _tile_loadconfig(&cfg);
     const int64_t last = pos[padded - 1];
-    for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
-      const int64_t n = std::min<int64_t>(KEYS, last + 1 - k0);  // keys of this tile any vector may see
-      load_tile_bf16<C>(L, t.seq, t.kv_head, k0, n, kt, vb);
+    for (int64_t k0 = 0; k0 <= last; k0 += BLOCK) {
+      const int64_t n = std::min<int64_t>(BLOCK, last + 1 - k0);  // keys of this block any vector may see
+      for (int64_t j = 0; j * KEYS < n; ++j)
+        load_tile_bf16<C>(L, t.seq, t.kv_head, k0 + j * KEYS, std::min<int64_t>(KEYS, n - j * KEYS),
+                          kt + j * (D / 2) * KEYS, vb + j * (KEYS / 2) * D);
       const int64_t pairs_read = (n + 31) / 32 * 16;  // the key pairs P . V steps read
       std::fill(vb + (n + 1) / 2 * D, vb + pairs_read * D, 0.f);
       for (int64_t m0 = 0; m0 < padded; m0 += V) {
-        if (pos[m0 + V - 1] < k0) continue;  // the whole group sits above this tile's diagonal
+        if (pos[m0 + V - 1] < k0) continue;  // the whole group sits above this block's diagonal
         const int64_t seen = std::min<int64_t>(n, pos[m0 + V - 1] - k0 + 1);
-        alignas(64) float s[V * KEYS];
-        alignas(64) uint16_t p[V * KEYS];
-        switch ((seen + 15) / 16) {
-          case 1: amx_scores<1, D>(q + m0 * D, kt, s); break;
-          case 2: amx_scores<2, D>(q + m0 * D, kt, s); break;
-          case 3: amx_scores<3, D>(q + m0 * D, kt, s); break;
-          default: amx_scores<4, D>(q + m0 * D, kt, s); break;
+        alignas(64) float s[V * BLOCK];
+        alignas(64) uint16_t p[V * BLOCK];
+        for (int64_t j = 0; j * KEYS < seen; ++j) {
+          const at::BFloat16* qg = q + m0 * D;
+          const float* ktj = kt + j * (D / 2) * KEYS;
+          switch ((std::min<int64_t>(KEYS, seen - j * KEYS) + 15) / 16) {
+            case 1: amx_scores<1, D>(qg, ktj, s + j * KEYS); break;
+            case 2: amx_scores<2, D>(qg, ktj, s + j * KEYS); break;
+            case 3: amx_scores<3, D>(qg, ktj, s + j * KEYS); break;
+            default: amx_scores<4, D>(qg, ktj, s + j * KEYS); break;
+          }
         }
         const __m512 sc = _mm512_set1_ps(scale);
-        const int p_chunks = seen > 32 ? 4 : 2;  // the 16-key chunks of p the P . V steps read
+        const int64_t units = (seen + 31) / 32;  // 32-key steps of P . V
+        const int p_chunks = static_cast<int>(2 * units);  // the 16-key chunks of p they read
         for (int64_t i = 0; i < V; ++i) {
           const int64_t visible = std::min<int64_t>(n, pos[m0 + i] - k0 + 1);
           // Chunks with a key the vector sees; past them (and past `seen`, where s was not computed) p is 0.
-          const int live_chunks = static_cast<int>(std::clamp<int64_t>((visible + 15) / 16, 0, KC));
+          const int live_chunks = static_cast<int>(std::clamp<int64_t>((visible + 15) / 16, 0, BLOCK_CHUNKS));
+          const float* si = s + i * BLOCK;
+          uint16_t* pi = p + i * BLOCK;
           const float m_old = maxes[m0 + i];
-          float alpha = 1.f, tile_sum = 0.f;
-          if (visible > 0) {  // else p = 0 and alpha = e^0: the vector sees none of this tile
-            __mmask16 live[KC];
-            __m512 x[KC];
-            __m512 tile_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          float alpha = 1.f, block_sum = 0.f;
+          if (visible > 0) {  // else p = 0 and alpha = e^0: the vector sees none of this block
+            // The max of the raw scores: times scale > 0 it is the max of the scaled ones (rounding is monotonic).
+            __m512 block_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
             for (int kc = 0; kc < live_chunks; ++kc) {
-              live[kc] = lanes_below(visible - 16 * kc);
-              x[kc] = _mm512_mul_ps(_mm512_maskz_load_ps(live[kc], s + i * KEYS + 16 * kc), sc);
-              tile_max = _mm512_mask_max_ps(tile_max, live[kc], tile_max, x[kc]);
+              const __mmask16 live = lanes_below(visible - 16 * kc);
+              block_max = _mm512_mask_max_ps(block_max, live, block_max, _mm512_load_ps(si + 16 * kc));
             }
-            const float m_new = std::max(m_old, _mm512_reduce_max_ps(tile_max));
+            const float m_new = std::max(m_old, _mm512_reduce_max_ps(block_max) * scale);
             const __m512 mv = _mm512_set1_ps(m_new);
+            // p = e^(s scale - m) rounded to bf16; the sum counts the rounded weights, two chunks at a time
+            // (vdpbf16ps with ones: each lane adds two weights, exactly, to its running sum).
+            const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
             __m512 sum = _mm512_setzero_ps();
-            for (int kc = 0; kc < live_chunks; ++kc) {
-              const __m512 e = _mm512_maskz_mov_ps(live[kc], exp16(_mm512_sub_ps(x[kc], mv)));
-              const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);  // p as bf16; the sum counts the rounded weights
-              _mm256_store_si256(reinterpret_cast<__m256i*>(p + i * KEYS + 16 * kc), pb);
-              sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+            auto weights = [&](int kc) {
+              const __mmask16 live = lanes_below(visible - 16 * kc);
+              const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(si + 16 * kc), sc, mv);
+              const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(live, exp16(x)));
+              _mm256_store_si256(reinterpret_cast<__m256i*>(pi + 16 * kc), pb);
+              return pb;
+            };
+            for (int kc = 0; kc < live_chunks; kc += 2) {
+              const __m256i lo = weights(kc);
+              const __m256i hi = kc + 1 < live_chunks ? weights(kc + 1) : _mm256_setzero_si256();
+              sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), ones);
             }
-            tile_sum = _mm512_reduce_add_ps(sum);
-            // alpha = e^(m_old - m_new): 1 while the max holds, 0 on the first tile (m_old = -inf)
+            block_sum = _mm512_reduce_add_ps(sum);
+            // alpha = e^(m_old - m_new): 1 while the max holds, 0 on the first block (m_old = -inf)
             alpha = m_old == -std::numeric_limits<float>::infinity()
                         ? 0.f
                         : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m_old - m_new)));
             maxes[m0 + i] = m_new;
           }
           for (int kc = live_chunks; kc < p_chunks; ++kc)
-            _mm256_store_si256(reinterpret_cast<__m256i*>(p + i * KEYS + 16 * kc), _mm256_setzero_si256());
-          sums[m0 + i] = sums[m0 + i] * alpha + tile_sum;
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pi + 16 * kc), _mm256_setzero_si256());
+          sums[m0 + i] = sums[m0 + i] * alpha + block_sum;
           if (alpha != 1.f) {
             const __m512 al = _mm512_set1_ps(alpha);
             float* a = acc + (m0 + i) * D;
             for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), al));
           }
         }
-        if (seen > 32)
-          amx_pv<2, D>(p, vb, acc + m0 * D);
-        else
-          amx_pv<1, D>(p, vb, acc + m0 * D);
+        amx_pv<D>(p, vb, units, acc + m0 * D);
       }
     }
     _tile_release();
@@ -574,11 +598,12 @@ void prefill_avx2(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, fl
 }
 #endif
 
-// Tiles of query rows: as large as keeps every thread busy (a K/V tile load serves rows x G vectors).
+// Tiles of query rows: up to 64, as large as keeps every thread busy (a K/V tile load serves rows x G vectors;
+// 64 rows against 32: bf16 32 x 128 tokens 1.95 -> 1.73 ms a layer, fp32 3.6 -> 3.4, docs/benchmarks.md "Round 17").
 std::vector<Task> make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads,
                              int64_t* max_rows) {
   const int64_t threads = at::get_num_threads();
-  int64_t tile = 32;
+  int64_t tile = 64;
   auto count = [&](int64_t rows_per_tile) {
     int64_t n = 0;
     for (int64_t b = 0; b < num_seqs; ++b) {
