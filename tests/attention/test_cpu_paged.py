@@ -336,10 +336,11 @@ def test_bf16_prefill_rows_are_the_same_in_any_batch(
 ) -> None:
     # A prompt's rows alone, as the first rows of a longer chunk's batch and as a shorter prefix beside other
     # sequences: the same bits (the task split and the 16-vector tile groups differ), or greedy output would
-    # change with the batch mix. Shuffled blocks of a NaN-poisoned pool. 600 tokens cross the AMX kernel's
-    # 512-key softmax blocks, so the running max and sum carry over from one block to the next.
+    # change with the batch mix. Shuffled blocks of a NaN-poisoned pool. 1,100 tokens cross two of the AMX
+    # kernel's 512-key softmax blocks' edges, so the running max and sum carry over twice; a chunk at 37 splits
+    # its rows into other tasks than the whole prompt, and one thread takes other tile sizes than two.
     gen = torch.Generator().manual_seed(head_dim)
-    lens = [600, 7, 600, 40]
+    lens = [1100, 7, 1100, 40]
     need = [-(-n // 16) for n in lens]
     cache = torch.full((2, sum(need) + 2, 16, num_kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
     order = torch.randperm(cache.shape[1], generator=gen).tolist()
@@ -353,7 +354,7 @@ def test_bf16_prefill_rows_are_the_same_in_any_batch(
         cache.view(2, -1, num_kv_heads, head_dim)[:, slots] = torch.randn(
             2, lens[b], num_kv_heads, head_dim, generator=gen
         ).bfloat16()
-    q0 = torch.randn(600, num_heads, head_dim, generator=gen).bfloat16()
+    q0 = torch.randn(1100, num_heads, head_dim, generator=gen).bfloat16()
     other = torch.randn(7 + 40, num_heads, head_dim, generator=gen).bfloat16()
     ops = cpu_paged.load_cpu_ops()
     scale = head_dim**-0.5
@@ -365,15 +366,47 @@ def test_bf16_prefill_rows_are_the_same_in_any_batch(
         return out
 
     with amx_kernels(amx):
-        alone = prefill(q0, [600], [600], tables[:1])
+        alone = prefill(q0, [1100], [1100], tables[:1])
         assert not alone.isnan().any()
-        batch = prefill(torch.cat([q0, other[:7], q0[:93], other[7:]]), [600, 7, 93, 40], [600, 7, 93, 40], tables)
-        assert torch.equal(batch[:600], alone)
-        assert torch.equal(batch[607:700], alone[:93])  # a prompt of 93 tokens: the same rows
-        chunk = prefill(q0[60:], [540], [600], tables[:1])  # the last 540 rows as a chunk over 60 cached tokens
-        assert torch.equal(chunk, alone[60:])
-        tail = prefill(q0[530:], [70], [600], tables[:1])  # a chunk that starts in the second block
-        assert torch.equal(tail, alone[530:])
+        batch = prefill(torch.cat([q0, other[:7], q0[:93], other[7:]]), [1100, 7, 93, 40], [1100, 7, 93, 40], tables)
+        assert torch.equal(batch[:1100], alone)
+        assert torch.equal(batch[1107:1200], alone[:93])  # a prompt of 93 tokens: the same rows
+        chunk = prefill(q0[37:], [1063], [1100], tables[:1])  # the last 1,063 rows as a chunk over 37 cached tokens
+        assert torch.equal(chunk, alone[37:])
+        for start in (511, 512, 1025):  # chunks that start at and past the block edges
+            tail = prefill(q0[start:], [1100 - start], [1100], tables[:1])
+            assert torch.equal(tail, alone[start:])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(prefill(q0, [1100], [1100], tables[:1]), alone)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_prefill_with_a_negative_scale_matches_the_torch_path(amx: bool) -> None:
+    # The AMX kernel takes the block max over the raw scores, which is the scaled max only for scale > 0;
+    # paged_prefill sends any other scale to the vdpbf16ps kernel. Sharp scores (the query times 12) over
+    # 700 keys would otherwise overflow e^x.
+    gen = torch.Generator().manual_seed(11)
+    n, heads, kv_heads, dim = 700, 9, 3, 64
+    blocks = -(-n // 16)
+    cache = torch.randn(2, blocks, 16, kv_heads, dim, generator=gen).bfloat16()
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    query = (12 * torch.randn(n, heads, dim, generator=gen)).bfloat16()
+    lens, starts = torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32)
+    scale = -(dim**-0.5)
+    out = torch.empty_like(query)
+    with amx_kernels(amx):
+        cpu_paged.load_cpu_ops().paged_prefill(out, query, cache, table, lens, starts, scale)
+    keys = cache[0].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(heads // kv_heads, 1)
+    values = cache[1].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
+    scores.masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    assert out.isfinite().all()
+    assert float((out.float() - ref).abs().max()) < 3e-2
 
 
 @pytest.mark.skipif(not AMX_PREFILL, reason=NEEDS_AMX)

@@ -106,7 +106,8 @@ inline void load_tile(const Layout<q_t, kv_t>& L, int64_t b, int64_t h, int64_t 
 #if defined(__AVX512BF16__)
 // The bf16 dot-product layout of the same tile (bf16 K and V, vdpbf16ps): one dword = two bf16.
 //   kt [D/2][KEYS] dwords: (k_j[2e], k_j[2e+1]) for key j, dims 2e, 2e+1 (zeros past n)
-//   vb [KEYS/2][D] dwords: (v_2i[d], v_2i+1[d]) for keys 2i, 2i+1, dim d (zeros past n)
+//   vb [KEYS/2][D] dwords: (v_2i[d], v_2i+1[d]) for keys 2i, 2i+1, dim d (an odd n's last pair has a zero
+//      partner; pairs past it are left as they are, for the caller to zero if it reads them)
 template <int C>
 inline void load_tile_bf16(const Layout<at::BFloat16, at::BFloat16>& L, int64_t b, int64_t h, int64_t k0, int64_t n,
                            float* __restrict kt, float* __restrict vb) {

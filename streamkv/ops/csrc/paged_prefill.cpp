@@ -328,9 +328,10 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 #if defined(STREAMKV_AMX)
 // bf16 query on bf16 KV on AMX tiles (tdpbf16ps): prefill_avx512's loop with its two products as tile
 // products, 16 query vectors (one tile's rows) at a time; the online softmax between them stays AVX-512 fp32.
-// The softmax runs over blocks of BLOCK = 256 keys (four of load_tile_bf16's 64-key tiles), so a vector's
+// The softmax runs over blocks of BLOCK = 512 keys (eight of load_tile_bf16's 64-key tiles), so a vector's
 // per-block work (two horizontal reductions, the rescale factor's exp, the rescale of its accumulators)
-// is paid once per 256 keys; at 64 keys it was a third of a long prompt's attention time.
+// is paid once per 512 keys; at 64 keys it was a third of a long prompt's attention time. Taking the block max over
+// the raw scores needs scale > 0; paged_prefill sends any other scale to prefill_avx512.
 // Tiles, all 16 rows x 64 bytes:
 //   scores:  0-3  S [16 vectors x 16 keys] fp32, key chunks 0-3 of one 64-key tile
 //            4    A: the 16 vectors' bf16 queries, 32 dims (a row of 64 bytes; q_buf holds them end to end)
@@ -342,7 +343,7 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 // The same products as prefill_avx512's DOT path (bf16 pairs multiplied exactly, summed in fp32 in k order,
 // p rounded to bf16 and the sum counting the rounded weights); tdpbf16ps treats denormal inputs and outputs as
 // zero, as vdpbf16ps does. A vector's result depends only on its own row of each tile and on the block
-// boundaries, which sit at fixed positions (0, 256, ...), so it is the same in any task split, batch and chunk.
+// boundaries, which sit at fixed positions (0, 512, ...), so it is the same in any task split, batch and chunk.
 // Key pairs past the block's last key are zeroed in vb before a P . V step can read them (their weights are 0,
 // and 0 x NaN would not be).
 constexpr int SUBTILES = 8;                  // 64-key tiles per softmax block
@@ -477,7 +478,7 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
             const float m_new = std::max(m_old, _mm512_reduce_max_ps(block_max) * scale);
             const __m512 mv = _mm512_set1_ps(m_new);
             // p = e^(s scale - m) rounded to bf16; the sum counts the rounded weights, two chunks at a time
-            // (vdpbf16ps with ones: each lane adds two weights, exactly, to its running sum).
+            // (vdpbf16ps with ones: each lane adds two weights to its running sum, in a fixed order).
             const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
             __m512 sum = _mm512_setzero_ps();
             auto weights = [&](int kc) {
@@ -620,7 +621,7 @@ std::vector<Task> make_tasks(const int32_t* starts, const int32_t* lens, int64_t
     if (q_len <= 1) continue;
     const int64_t ctx0 = lens[b] - q_len;
     const int64_t num_tiles = (q_len + tile - 1) / tile;
-    const int64_t even = (q_len + num_tiles - 1) / num_tiles;  // 44 rows in tiles of 32: 22 + 22, not 32 + 12
+    const int64_t even = (q_len + num_tiles - 1) / num_tiles;  // 100 rows in tiles of 64: 50 + 50, not 64 + 36
     for (int64_t r0 = 0; r0 < q_len; r0 += even) {
       const int64_t rows = std::min(even, q_len - r0);
       *max_rows = std::max(*max_rows, rows);
@@ -680,8 +681,8 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
 #endif
 #if defined(STREAMKV_AMX)
     if constexpr (dot) {
-      if (amx_on() && query.size(2) == 64) return prefill_amx<4>(layout, tasks, max_rows, s);
-      if (amx_on() && query.size(2) == 128) return prefill_amx<8>(layout, tasks, max_rows, s);
+      if (amx_on() && s > 0 && query.size(2) == 64) return prefill_amx<4>(layout, tasks, max_rows, s);
+      if (amx_on() && s > 0 && query.size(2) == 128) return prefill_amx<8>(layout, tasks, max_rows, s);
     }
 #endif
     switch (query.size(2)) {
