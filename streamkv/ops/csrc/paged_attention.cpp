@@ -2,6 +2,8 @@
 //
 // One task per (sequence, KV head): its G = Hq / Hkv query heads share the
 // task, so every K and V row is read once from the pool and used G times.
+// (The bf16 and AVX2 kernels give a task all of a sequence's KV heads once the
+// batch has kTasksPerThread sequences a thread: see decode_avx512_bf16_seqs.)
 // Each thread takes a contiguous run of tasks holding an equal share of the
 // batch's tokens (work_split.h), not an equal count of them.
 // Two passes over the context (scores, then the weighted sum of V) keep the
@@ -353,11 +355,11 @@ struct TokenPairs {
   }
 };
 
-#if defined(STREAMKV_AVX2_KV)
-// How many tasks a thread must have before decode_avx2 gives each task all of a sequence's KV heads rather than
-// one: below it, Hkv tasks a sequence (or partition) keep a small batch spread over the threads.
+// How many tasks a thread must have before decode_avx2 and decode_avx512_bf16 give each task all of a sequence's
+// KV heads rather than one: below it, Hkv tasks a sequence (or partition) keep a small batch spread over the threads.
 constexpr int64_t kTasksPerThread = 2;
 
+#if defined(STREAMKV_AVX2_KV)
 // Sequences longer than this many tokens are read as partitions of at most this many in whole blocks (one block
 // when blocks are larger), each a task of its own whose partial softmax sums are merged at the end (the split-K
 // of flash-decoding): one long conversation then spreads over every thread, where one task per KV head left a
@@ -738,6 +740,152 @@ void decode_avx512(
 }
 
 #if defined(__AVX512BF16__)
+// Pass 1 of the bf16 kernels for one query head: 16 keys' scores (q . k) * scale on vdpbf16ps, key k's row at
+// first + k * stride for k < n (the lanes past n are 0, scratch); on_key(k) runs before key k's row is read.
+template <int W, typename OnKey>
+inline __m512 score_run16(const __m512i* q, const at::BFloat16* first, int64_t stride, int64_t n, __m512 scale16,
+                          OnKey&& on_key) {
+  __m512 part[16];
+#pragma GCC unroll 16
+  for (int k = 0; k < 16; ++k) {
+    if (k >= n) {
+      part[reduce_slot(k)] = _mm512_setzero_ps();
+      continue;
+    }
+    const at::BFloat16* key = first + k * stride;
+    on_key(k);
+    __m512 s = _mm512_setzero_ps();
+    for (int w = 0; w < W; ++w) s = _mm512_dpbf16_ps(s, (__m512bh)q[w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
+    part[reduce_slot(k)] = s;
+  }
+  return _mm512_mul_ps(reduce16(part), scale16);
+}
+
+// The softmax of one query head's scores s[0, len) in fp32, the weights rounded to bf16 and written as pairs of
+// tokens (2i, 2i + 1) (a zero weight pads an odd count); returns 1 / the sum of the rounded weights (inf for len 0).
+inline float softmax_bf16_pairs(const float* s, int64_t len, int32_t* pairs) {
+  const __m512 m = _mm512_set1_ps(masked_max(s, len));
+  __m512 sum16 = _mm512_setzero_ps();
+  auto* wb = reinterpret_cast<__m256i*>(pairs);
+  for (int64_t p = 0; p < len; p += 16) {
+    const __mmask16 live = live_lanes(len, p);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + p), m)));
+    const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+    _mm256_storeu_si256(wb + p / 16, eb);
+    sum16 = _mm512_add_ps(sum16, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+  }
+  return 1.f / _mm512_reduce_add_ps(sum16);
+}
+
+// decode_avx512_bf16 with one task per sequence, all of its KV heads (a batch of kTasksPerThread sequences a thread
+// or more, an even block size, a constant query group G). Each head's arithmetic is decode_avx512_bf16's to the
+// bit (score_run16, softmax_bf16_pairs, the same token pairs in the same order), so a sequence's output does not
+// depend on which split its batch takes. What changes is the walk over the pool: a task reads each block's span
+// of every head (block_size x Hkv rows, one contiguous stretch) head after head while it is in L1, and asks for
+// the next block's span a few lines at each key or token pair (asking two blocks ahead timed the same), where one
+// task per KV head reads 1 row in Hkv and comes back for the others. Pass 2's sums are parked in `acc` between
+// blocks (reloaded with their bits). 30 layers' pools from memory, 2 threads, against one task per KV head:
+// 4 x 4,000 tokens 21.4 -> 18.3 ms, 8 x 2,000 19.3 -> 17.4, 32 x 192 4.1 -> 3.8-4.1, 64 x 192 and 64 x 1,100
+// 2-5% slower or level (docs/benchmarks.md, "Round 18").
+template <int C, int G>
+void decode_avx512_bf16_seqs(const DecodeView<at::BFloat16, at::BFloat16>& view, __m512 scale16) {
+  using bf16 = at::BFloat16;
+  constexpr int W = C / 2;  // 32-value vectors per row
+  const auto cost = [lens = view.len_ptr, heads = view.num_kv_heads](int64_t b) {
+    return std::max<int64_t>(lens[b], 0) * heads + kTaskCostTokens;
+  };
+  parallel_for_by_cost(view.num_seqs, cost, [&](int64_t begin, int64_t end) {
+    const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
+    const int64_t heads = d.num_kv_heads, rows = heads * G, pairs_stride = d.padded_len / 2;
+    std::vector<__m512i> q(rows * W);
+    std::vector<__m512> acc(rows * C);
+    std::vector<float> inv_sum(rows), scores(rows * d.padded_len);
+    std::vector<int32_t> weights(rows * pairs_stride);  // bf16 weight pairs of tokens (2i, 2i + 1)
+    const int64_t span_lines = (d.block_stride * static_cast<int64_t>(sizeof(bf16)) + 63) / 64;
+    // Lines of the next span asked for at each key of pass 1 / token pair of pass 2: the whole span by the end.
+    const int64_t key_lines = (span_lines + heads * d.block_size - 1) / (heads * d.block_size);
+    const int64_t pair_lines = (2 * span_lines + heads * d.block_size - 1) / (heads * d.block_size);
+    auto ask = [span_lines](const bf16* span, int64_t step, int64_t lines) {
+      if (span == nullptr) return;
+      const char* p = reinterpret_cast<const char*>(span);
+      for (int64_t l = step * lines; l < std::min(span_lines, (step + 1) * lines); ++l)
+        asm volatile("prefetcht0 %0" : : "m"(p[l * 64]));
+    };
+    // The first span task t reads (its first K block), or none.
+    auto first_span = [&](int64_t t) -> const bf16* {
+      return t < end && d.len_ptr[t] > 0 ? d.kv_ptr + d.bt_ptr[t * d.bt_stride] * d.block_stride : nullptr;
+    };
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = d.len_ptr[b];
+      const int32_t* table = d.bt_ptr + b * d.bt_stride;
+      const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
+      auto span = [&](int64_t j, int half) { return d.kv_ptr + half * d.v_offset + table[j] * d.block_stride; };
+      for (int64_t r = 0; r < rows; ++r) {
+        const bf16* src = d.q_ptr + b * d.q_stride_s + r * d.q_stride_h;  // query head r = h * G + g
+        for (int w = 0; w < W; ++w) q[r * W + w] = _mm512_loadu_si512(src + 32 * w);
+      }
+      // Pass 1: scores[h * G + g, p] = (q_hg . k_hp) * scale, block by block, every head, runs of up to 16 keys.
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const bf16* base = span(j, 0);
+        const bf16* next = j + 1 < num_blocks ? span(j + 1, 0) : span(0, 1);
+        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
+        int64_t step = 0;
+        for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
+            const int64_t n = std::min<int64_t>(16, block_len - k0), p0 = j * d.block_size + k0;
+            for (int g = 0; g < G; ++g)
+              _mm512_storeu_ps(&scores[(h * G + g) * d.padded_len + p0],
+                               score_run16<W>(&q[(h * G + g) * W], base + k0 * d.slot_stride + h * d.row,
+                                              d.slot_stride, n, scale16, [&](int) {
+                                                if (g == 0) ask(next, step++, key_lines);
+                                              }));
+          }
+        }
+      }
+      // Softmax per query head in fp32; the weights rounded to bf16, padded with a zero weight to an even count.
+      for (int64_t r = 0; r < rows; ++r)
+        inv_sum[r] = softmax_bf16_pairs(&scores[r * d.padded_len], len, &weights[r * pairs_stride]);
+      // Pass 2: acc_hg += w_hg,p v_hp + w_hg,p+1 v_hp+1 over token pairs (a block's pairs are its own: the block size
+      // is even), block by block, every head; an odd last token pairs with zeros.
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const bf16* base = span(j, 1);
+        const bf16* next = j + 1 < num_blocks ? span(j + 1, 1) : first_span(b + 1);
+        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
+        int64_t step = 0;
+        for (int64_t h = 0; h < heads; ++h) {
+          __m512 a[G * C];
+          for (int i = 0; i < G * C; ++i) a[i] = j == 0 ? _mm512_setzero_ps() : acc[h * G * C + i];
+          const int32_t* wh = &weights[h * G * pairs_stride + j * d.block_size / 2];
+          for (int64_t k = 0; k < block_len; k += 2) {
+            ask(next, step++, pair_lines);
+            const bf16* v0 = base + k * d.slot_stride + h * d.row;
+            __m512i vi[C];
+            for (int w = 0; w < W; ++w) {
+              const __m512i x0 = _mm512_loadu_si512(v0 + 32 * w);
+              const __m512i x1 = k + 1 < block_len ? _mm512_loadu_si512(v0 + d.slot_stride + 32 * w)
+                                                   : _mm512_setzero_si512();
+              vi[2 * w] = _mm512_unpacklo_epi16(x0, x1);
+              vi[2 * w + 1] = _mm512_unpackhi_epi16(x0, x1);
+            }
+            for (int g = 0; g < G; ++g) {
+              const __m512bh wp = (__m512bh)_mm512_set1_epi32(wh[g * pairs_stride + k / 2]);
+              for (int c = 0; c < C; ++c) a[g * C + c] = _mm512_dpbf16_ps(a[g * C + c], wp, (__m512bh)vi[c]);
+            }
+          }
+          for (int i = 0; i < G * C; ++i) acc[h * G * C + i] = a[i];
+        }
+      }
+      if (num_blocks == 0) std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());  // no keys: 0 / 0, NaN
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+        __m512 o[C];
+        for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(acc[r * C + c], inv);
+        store_deinterleaved<W>(d.o_ptr + b * d.o_stride_s + r * d.o_stride_h, o);
+      }
+    }
+  });
+}
+
 // bf16 query on bf16 KV (AVX512-BF16): the contract of decode_avx512, with both products on vdpbf16ps,
 // which multiplies bf16 pairs exactly and adds them in fp32 (the scores and the softmax stay fp32).
 // - Pass 1 takes a key row as it lies in the pool: adjacent head dims are the pairs, so q . k is C / 2
@@ -757,6 +905,10 @@ void decode_avx512_bf16(
   constexpr int W = C / 2;  // 32-value vectors per row
   const DecodeView<bf16, bf16> view(out, query, kv_cache, block_tables, seq_lens);
   const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
+  if constexpr (G > 0) {
+    if (view.block_size % 2 == 0 && view.num_seqs >= kTasksPerThread * at::get_num_threads())
+      return decode_avx512_bf16_seqs<C, G>(view, scale16);
+  }
 
   parallel_for_by_cost(view.num_seqs * view.num_kv_heads, seq_head_cost(view.len_ptr, view.num_kv_heads),
                        [&](int64_t begin, int64_t end) {
@@ -781,39 +933,15 @@ void decode_avx512_bf16(
       }
       // Pass 1: scores[g, p] = (q_g . k_p) * scale, up to 16 keys of a block at a time.
       for_each_key_run(d, block_row, num_blocks, len, [&](const bf16* base, int64_t k0, int64_t n, int64_t p0) {
-        for (int64_t g = 0; g < group; ++g) {
-          __m512 part[16];
-#pragma GCC unroll 16
-          for (int k = 0; k < 16; ++k) {
-            if (k >= n) {
-              part[reduce_slot(k)] = _mm512_setzero_ps();
-              continue;
-            }
-            const bf16* key = base + (k0 + k) * d.slot_stride;
-            if (g == 0) ahead.step();
-            __m512 s = _mm512_setzero_ps();
-            for (int w = 0; w < W; ++w)
-              s = _mm512_dpbf16_ps(s, (__m512bh)q[g * W + w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
-            part[reduce_slot(k)] = s;
-          }
-          _mm512_storeu_ps(&scores[g * d.padded_len + p0], _mm512_mul_ps(reduce16(part), scale16));
-        }
+        for (int64_t g = 0; g < group; ++g)
+          _mm512_storeu_ps(&scores[g * d.padded_len + p0],
+                           score_run16<W>(&q[g * W], base + k0 * d.slot_stride, d.slot_stride, n, scale16, [&](int) {
+                             if (g == 0) ahead.step();
+                           }));
       });
       // Softmax per query head in fp32; the weights rounded to bf16, padded with a zero weight to an even count.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = &scores[g * d.padded_len];
-        const __m512 m = _mm512_set1_ps(masked_max(s, len));
-        __m512 sum16 = _mm512_setzero_ps();
-        auto* wb = reinterpret_cast<__m256i*>(&weights[g * (d.padded_len / 2)]);
-        for (int64_t p = 0; p < len; p += 16) {
-          const __mmask16 live = live_lanes(len, p);
-          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + p), m)));
-          const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
-          _mm256_storeu_si256(wb + p / 16, eb);
-          sum16 = _mm512_add_ps(sum16, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
-        }
-        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum16);
-      }
+      for (int64_t g = 0; g < group; ++g)
+        inv_sum[g] = softmax_bf16_pairs(&scores[g * d.padded_len], len, &weights[g * (d.padded_len / 2)]);
       // Pass 2: acc_g += w_g,p v_p + w_g,p+1 v_p+1 over token pairs, each row asked for ahead as in pass 1.
       auto v_row = [&](int64_t jj) { return block_row(jj) + d.v_offset; };
       TokenPairs<bf16, decltype(v_row), decltype(ahead)> pairs{v_row, ahead, d.block_size, d.slot_stride, len};
