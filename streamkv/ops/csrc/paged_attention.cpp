@@ -875,7 +875,7 @@ void decode_avx512_bf16_seqs(const DecodeView<at::BFloat16, at::BFloat16>& view,
           for (int i = 0; i < G * C; ++i) acc[h * G * C + i] = a[i];
         }
       }
-      if (num_blocks == 0) std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());  // no keys: 0 / 0, NaN
+      if (num_blocks <= 0) std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());  // no keys: 0 / 0, NaN
       for (int64_t r = 0; r < rows; ++r) {
         const __m512 inv = _mm512_set1_ps(inv_sum[r]);
         __m512 o[C];
