@@ -97,6 +97,29 @@ def test_rope_matches_torch_on_a_strided_view(dtype: torch.dtype, d: int) -> Non
     assert_matches(out, apply_rope(x, cos, sin))
 
 
+def test_bf16_results_keep_subnormals_and_nan_as_torch_does() -> None:
+    """A bf16 store rounds with vcvtneps2bf16 where the CPU has it, which reads subnormals as zero: a vector with
+    a subnormal or NaN lane must take the integer rule, so those lanes keep torch's bits (NaN: stays NaN)."""
+    g = torch.Generator().manual_seed(7)
+    gate = torch.randn(9, 64, generator=g).to(torch.bfloat16)
+    up = (torch.randn(9, 64, generator=g) * 1e-39).to(torch.bfloat16)  # products below float32's normal range
+    up[0, 5], up[1, :] = float("nan"), torch.randn(64, generator=g).to(torch.bfloat16)  # a NaN lane; a normal row
+    out = gate.new_empty(9, 64)
+    ops.silu_and_mul(out, torch.cat([gate, up], 1))
+    want = F.silu(gate) * up
+    assert int(((want != 0) & (want.float().abs() < torch.finfo(torch.float32).tiny)).sum()) > 100
+    assert torch.isnan(out[0, 5]) and torch.equal(out.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(out[ok].view(torch.int16), want[ok].view(torch.int16))
+
+    x = (torch.randn(5, 3, 64, generator=g) * 1e-39).to(torch.bfloat16)  # cos 1, sin 0: subnormal results
+    cos, sin = torch.ones(5, 1, 64, dtype=torch.bfloat16), torch.zeros(5, 1, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    ops.rope(out, x, cos, sin)
+    want = apply_rope(x, cos, sin)
+    assert int((want != 0).sum()) > 800 and torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
 def test_ops_refuse_bad_input_with_a_clear_error() -> None:
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="dtypes differ"):

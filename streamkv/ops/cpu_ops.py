@@ -48,7 +48,7 @@ FUSED_EXTENSION_NAME = "streamkv_fused_ops"
 FUSED_SOURCES = (_CSRC / "fused_layers.cpp",)
 LINEAR_EXTENSION_NAME = "streamkv_linear_ops"
 LINEAR_SOURCES = (_CSRC / "small_linear.cpp",)
-LINEAR_HEADERS = (_CSRC / "amx.h", _CSRC / "ops.h")
+LINEAR_HEADERS = (_CSRC / "amx.h", _CSRC / "ops.h", _CSRC / "simd_math.h")
 DECODE_EXTENSION_NAME = "streamkv_decode_ops"
 DECODE_SOURCES = (_CSRC / "decode_layer.cpp", *SOURCES, *FUSED_SOURCES, *LINEAR_SOURCES)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -49,22 +49,13 @@ inline __m512 load16(const at::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-// fp32 -> bf16 with round-to-nearest-even, NaN kept NaN (c10::BFloat16's rule).
-inline __m256i to_bf16(__m512 v) {
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(at::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_round16(v));
 }
 inline __m512 round16(__m512 v, float*) { return v; }
 inline __m512 round16(__m512 v, at::BFloat16*) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round16(v)), 16));
 }
 
 #endif
@@ -75,7 +66,7 @@ inline __m256 load8(const at::BFloat16* p) {
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
-// to_bf16's rule on 8 lanes.
+// bf16_round16's integer rule (simd_math.h) on 8 lanes.
 inline __m128i to_bf16_8(__m256 v) {
   __m256i bits = _mm256_castps_si256(v);
   __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));

@@ -60,6 +60,7 @@
 
 // bf16 on AMX tiles (STREAMKV_AMX, amx.h): the same packed layout, see run_amx.
 #include "amx.h"
+#include "simd_math.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -81,16 +82,6 @@ constexpr int FLOAT_ROWS = 12;  // most rows of x per pass for the float kernels
 int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// 16 fp32 lanes -> 16 bf16, round-to-nearest-even, NaN kept NaN (c10::BFloat16's rule).
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
 // The first min(live, 16) lanes (none when live <= 0).
 inline __mmask16 first_lanes(int64_t live) {
   return live >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(live > 0 ? (1u << live) - 1 : 0);
@@ -102,7 +93,7 @@ inline void store_row(T* dst, __mmask16 mask, __m512 v) {
   if constexpr (std::is_same_v<T, float>) {
     _mm512_mask_storeu_ps(dst, mask, v);
   } else {
-    _mm256_mask_storeu_epi16(dst, mask, to_bf16(v));
+    _mm256_mask_storeu_epi16(dst, mask, bf16_round16(v));
   }
 }
 
