@@ -13,6 +13,7 @@ transformers builds its own model once; we copy the weights into
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import sys
@@ -27,6 +28,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from streamkv.config import ModelConfig
+from streamkv.gc_control import gc_paused
 from streamkv.model.linear import Linear
 from streamkv.model.llama import FUSED_DTYPES, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import resolve_dtype
@@ -118,9 +120,11 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
     """
     start = time.perf_counter()
     dtype = resolve_dtype(cfg.dtype, device)
-    checkpoint = load_hf_checkpoint(cfg.model, dtype)
-    loaded = from_hf(checkpoint, dtype, device, prepack=prepack, quantization=cfg.quantization)
-    del checkpoint
+    with gc_paused():  # a third of the load was full collections walking the parser's objects (gc_control.py)
+        checkpoint = load_hf_checkpoint(cfg.model, dtype)
+        loaded = from_hf(checkpoint, dtype, device, prepack=prepack, quantization=cfg.quantization)
+        del checkpoint
+    gc.collect()  # once, here: the load's survivors go straight to the oldest generation, not via the first steps
     loaded.load_seconds = time.perf_counter() - start
     logger.info(
         "loaded %s (%s, %d layers) in %.1f s: dtype %s%s, max_model_len %d, eos %s",

@@ -328,6 +328,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
         import uvicorn
 
         from streamkv.engine import AsyncEngine
+        from streamkv.gc_control import freeze_startup_heap
         from streamkv.metrics import EngineMetrics
         from streamkv.server.app import create_app
         from streamkv.server.protocol import WS_MAX_SIZE
@@ -342,6 +343,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
             logger.debug("model load failed", exc_info=True)
             raise StartupError(f"--model {engine_config.model.model or '(default)'}: cannot load it: {e}") from None
         app = create_app(engine, dataclasses.replace(server_config, port=port), metrics)
+        freeze_startup_heap()  # later full collections skip the model's and the libraries' objects (gc_control.py)
         config = uvicorn.Config(
             app,
             ws="websockets-sansio",

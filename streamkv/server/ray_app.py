@@ -124,6 +124,7 @@ class StreamkvReplica:
         import torch
 
         from streamkv.engine import AsyncEngine
+        from streamkv.gc_control import freeze_startup_heap
         from streamkv.metrics import EngineMetrics
         from streamkv.server.app import create_app
 
@@ -134,6 +135,7 @@ class StreamkvReplica:
         engine = AsyncEngine(engine_config, metrics=metrics)
         self.name = name
         self._app = create_app(engine, dataclasses.replace(server_config, replica=name), metrics)
+        freeze_startup_heap()  # a replica serves this one engine for its life (gc_control.py)
         logger.info("replica %s: engine loaded", name)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
