@@ -777,6 +777,26 @@ inline float softmax_bf16_pairs(const float* s, int64_t len, int32_t* pairs) {
   return 1.f / _mm512_reduce_add_ps(sum16);
 }
 
+// Pass 2 of the bf16 kernels for one token pair: acc[g * C + c] += w_g,p v_p + w_g,p+1 v_p+1 for each query head
+// g < group. V rows v0 and v1 (nullptr: a row of zeros, for an odd last token) are interleaved 16 bits at a time
+// (vpunpck[lh]wd), so lane i of each accumulator holds one head dim, put back in order by store_deinterleaved;
+// pair_weights(g) is the pair's two bf16 weights for head g, as one int32.
+template <int C, typename PairWeights>
+__attribute__((always_inline)) inline void accumulate_pair(__m512* acc, int64_t group, const at::BFloat16* v0,
+                                                           const at::BFloat16* v1, PairWeights&& pair_weights) {
+  __m512i vi[C];
+  for (int w = 0; w < C / 2; ++w) {
+    const __m512i x0 = _mm512_loadu_si512(v0 + 32 * w);
+    const __m512i x1 = v1 != nullptr ? _mm512_loadu_si512(v1 + 32 * w) : _mm512_setzero_si512();
+    vi[2 * w] = _mm512_unpacklo_epi16(x0, x1);
+    vi[2 * w + 1] = _mm512_unpackhi_epi16(x0, x1);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512bh wp = (__m512bh)_mm512_set1_epi32(pair_weights(g));
+    for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_dpbf16_ps(acc[g * C + c], wp, (__m512bh)vi[c]);
+  }
+}
+
 // decode_avx512_bf16 with one task per sequence, all of its KV heads (a batch of kTasksPerThread sequences a thread
 // or more, an even block size, a constant query group G). Each head's arithmetic is decode_avx512_bf16's to the
 // bit (score_run16, softmax_bf16_pairs, the same token pairs in the same order), so a sequence's output does not
@@ -859,18 +879,8 @@ void decode_avx512_bf16_seqs(const DecodeView<at::BFloat16, at::BFloat16>& view,
           for (int64_t k = 0; k < block_len; k += 2) {
             ask(next, step++, pair_lines);
             const bf16* v0 = base + k * d.slot_stride + h * d.row;
-            __m512i vi[C];
-            for (int w = 0; w < W; ++w) {
-              const __m512i x0 = _mm512_loadu_si512(v0 + 32 * w);
-              const __m512i x1 = k + 1 < block_len ? _mm512_loadu_si512(v0 + d.slot_stride + 32 * w)
-                                                   : _mm512_setzero_si512();
-              vi[2 * w] = _mm512_unpacklo_epi16(x0, x1);
-              vi[2 * w + 1] = _mm512_unpackhi_epi16(x0, x1);
-            }
-            for (int g = 0; g < G; ++g) {
-              const __m512bh wp = (__m512bh)_mm512_set1_epi32(wh[g * pairs_stride + k / 2]);
-              for (int c = 0; c < C; ++c) a[g * C + c] = _mm512_dpbf16_ps(a[g * C + c], wp, (__m512bh)vi[c]);
-            }
+            accumulate_pair<C>(a, G, v0, k + 1 < block_len ? v0 + d.slot_stride : nullptr,
+                               [&](int64_t g) { return wh[g * pairs_stride + k / 2]; });
           }
           for (int i = 0; i < G * C; ++i) acc[h * G * C + i] = a[i];
         }
@@ -948,17 +958,7 @@ void decode_avx512_bf16(
       for (int64_t p = 0; p < len; p += 2) {
         const bf16* v0 = pairs.next(p);
         const bf16* v1 = pairs.next(p + 1);
-        __m512i vi[C];
-        for (int w = 0; w < W; ++w) {
-          const __m512i a = _mm512_loadu_si512(v0 + 32 * w);
-          const __m512i c = v1 != nullptr ? _mm512_loadu_si512(v1 + 32 * w) : _mm512_setzero_si512();
-          vi[2 * w] = _mm512_unpacklo_epi16(a, c);
-          vi[2 * w + 1] = _mm512_unpackhi_epi16(a, c);
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          const __m512bh wp = (__m512bh)_mm512_set1_epi32(weights[g * (d.padded_len / 2) + p / 2]);
-          for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_dpbf16_ps(acc[g * C + c], wp, (__m512bh)vi[c]);
-        }
+        accumulate_pair<C>(&acc[0], group, v0, v1, [&](int64_t g) { return weights[g * (d.padded_len / 2) + p / 2]; });
       }
       for (int64_t g = 0; g < group; ++g) {
         const __m512 inv = _mm512_set1_ps(inv_sum[g]);
