@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -30,6 +30,9 @@ from prometheus_client.registry import Collector
 from streamkv.config import PreemptionMode
 from streamkv.errors import ErrorCode
 from streamkv.outputs import FinishReason
+
+if TYPE_CHECKING:
+    from streamkv.gc_control import CollectionTimer
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,14 @@ class EngineMetrics:
             buckets=LOOP_LAG_BUCKETS,
             registry=r,
         )
+        self.gc_pause = Histogram(
+            "streamkv_gc_pause_seconds",
+            "Python garbage collections of the server process, by generation; each holds the GIL, so the engine "
+            "thread waits it out.",
+            ["generation"],
+            buckets=LOOP_LAG_BUCKETS,
+            registry=r,
+        )
         self.engine_stalls = Counter(
             "streamkv_engine_stalls",
             "Times the engine ran steps with work queued but no token computed and no request finished.",
@@ -156,6 +167,8 @@ class EngineMetrics:
             "Responses refused: previous_response_id unknown, expired or another connection's.",
             registry=r,
         )
+        for generation in ("0", "1", "2"):
+            self.gc_pause.labels(generation=generation)
         for kind in ("http", "websocket"):
             self.open_connections.labels(kind=kind)
         for state in ("attached", "resumable"):
@@ -164,6 +177,7 @@ class EngineMetrics:
             self.limit_refusals.labels(limit=limit)
         self._snapshot_collector = _SnapshotCollector()
         r.register(self._snapshot_collector)
+        self._gc_timer: CollectionTimer | None = None
 
     # ------------------------------------------------------------ public API
 
@@ -171,6 +185,10 @@ class EngineMetrics:
         """Read the chat session counts at each scrape: ``attached`` to a socket, ``resumable`` (detached)."""
         self.chat_sessions.labels(state="attached").set_function(num_attached)
         self.chat_sessions.labels(state="resumable").set_function(num_detached)
+
+    def attach_gc_timer(self, timer: CollectionTimer | None) -> None:
+        """Drain ``timer``'s collection pauses into ``streamkv_gc_pause_seconds`` at each scrape (None detaches)."""
+        self._gc_timer = timer
 
     def attach(self, snapshot_fn: SnapshotFn | None) -> None:
         """Read gauges and engine counters from ``snapshot_fn()`` at each scrape (None detaches)."""
@@ -205,12 +223,19 @@ class EngineMetrics:
         if _finite(lag_s):
             self.event_loop_lag.observe(max(lag_s, 0.0))
 
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        """One garbage collection's pause (``gc_control.CollectionTimer.drain`` calls it at each scrape)."""
+        if _finite(seconds):
+            self.gc_pause.labels(generation=str(generation)).observe(max(seconds, 0.0))
+
     def count_error(self, code: ErrorCode) -> None:
         """Count one error frame; ``code`` is a server-chosen stable code (bounded cardinality)."""
         self.errors.labels(code=code).inc()
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition: ``(body, content_type)``."""
+        if self._gc_timer is not None:
+            self._gc_timer.drain(self.observe_gc_pause)
         if not self.const_labels:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
         return generate_latest(_Labelled(self.registry, self.const_labels)), CONTENT_TYPE_LATEST

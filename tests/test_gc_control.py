@@ -1,4 +1,4 @@
-"""The collector switch around model loading, and the start-up heap freeze of a serving process."""
+"""The collector switch around model loading, the start-up heap freeze of a serving process, and the pause timer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import sys
 import textwrap
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from streamkv.gc_control import gc_paused
+from streamkv.gc_control import CollectionTimer, gc_paused
+from streamkv.metrics import EngineMetrics
 
 
 def test_gc_paused_turns_collection_off_and_restores_the_state_it_found() -> None:
@@ -55,3 +57,45 @@ def test_freeze_startup_heap_leaves_later_collections_only_new_objects() -> None
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_collection_timer_times_each_collection_by_generation_until_closed() -> None:
+    timer = CollectionTimer(max_pending=3)
+    try:
+        gc.collect(2)
+        gc.collect(0)
+        seen: list[tuple[int, float]] = []
+        timer.drain(lambda generation, seconds: seen.append((generation, seconds)))
+        assert [g for g, _ in seen] == [2, 0] and all(0 <= s < 5 for _, s in seen)
+        timer.drain(lambda generation, seconds: seen.append((generation, seconds)))
+        assert len(seen) == 2  # drained once
+
+        for _ in range(5):
+            gc.collect(1)
+        assert timer.dropped == 2  # the bound keeps the newest 3
+        timer.drain(lambda generation, seconds: seen.append((generation, seconds)))
+        assert [g for g, _ in seen[2:]] == [1, 1, 1]
+    finally:
+        timer.close()
+    assert timer._callback not in gc.callbacks
+    gc.collect()
+    timer.drain(lambda generation, seconds: pytest.fail("timed after close"))
+
+
+def test_metrics_render_drains_the_timer_into_the_pause_histogram() -> None:
+    m = EngineMetrics()
+    timer = CollectionTimer()
+    m.attach_gc_timer(timer)
+    try:
+        gc.collect(2)
+        gc.collect(2)
+        got = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(m.render()[0].decode())
+            for s in family.samples
+        }
+    finally:
+        timer.close()
+    assert got[("streamkv_gc_pause_seconds_count", (("generation", "2"),))] == 2
+    assert got[("streamkv_gc_pause_seconds_count", (("generation", "0"),))] == 0  # pre-created: zeros before the first
+    assert got[("streamkv_gc_pause_seconds_sum", (("generation", "2"),))] > 0

@@ -328,7 +328,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
         import uvicorn
 
         from streamkv.engine import AsyncEngine
-        from streamkv.gc_control import freeze_startup_heap
+        from streamkv.gc_control import CollectionTimer, freeze_startup_heap
         from streamkv.metrics import EngineMetrics
         from streamkv.server.app import create_app
         from streamkv.server.protocol import WS_MAX_SIZE
@@ -344,6 +344,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
             raise StartupError(f"--model {engine_config.model.model or '(default)'}: cannot load it: {e}") from None
         app = create_app(engine, dataclasses.replace(server_config, port=port), metrics)
         freeze_startup_heap()  # later full collections skip the model's and the libraries' objects (gc_control.py)
+        metrics.attach_gc_timer(CollectionTimer())  # the pauses left, in streamkv_gc_pause_seconds
         config = uvicorn.Config(
             app,
             ws="websockets-sansio",

@@ -124,7 +124,7 @@ class StreamkvReplica:
         import torch
 
         from streamkv.engine import AsyncEngine
-        from streamkv.gc_control import freeze_startup_heap
+        from streamkv.gc_control import CollectionTimer, freeze_startup_heap
         from streamkv.metrics import EngineMetrics
         from streamkv.server.app import create_app
 
@@ -136,6 +136,7 @@ class StreamkvReplica:
         self.name = name
         self._app = create_app(engine, dataclasses.replace(server_config, replica=name), metrics)
         freeze_startup_heap()  # a replica serves this one engine for its life (gc_control.py)
+        metrics.attach_gc_timer(CollectionTimer())
         logger.info("replica %s: engine loaded", name)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
