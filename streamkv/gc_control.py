@@ -102,9 +102,16 @@ class CollectionTimer:
         self._pending.append((info["generation"], time.perf_counter() - self._start))
 
     def drain(self, observe: Callable[[int, float], None]) -> None:
-        """Call ``observe(generation, seconds)`` for each pause since the last drain, oldest first."""
-        while self._pending:
-            observe(*self._pending.popleft())
+        """Call ``observe(generation, seconds)`` for each pause since the last drain, oldest first.
+
+        Two scrapes may drain at once (each renders in a worker thread): each pause goes to one of them.
+        """
+        while True:
+            try:
+                generation, seconds = self._pending.popleft()
+            except IndexError:  # empty, perhaps emptied by the other drain between a check and a pop
+                return
+            observe(generation, seconds)
 
     def close(self) -> None:
         """Stop timing (pending pauses stay drainable)."""

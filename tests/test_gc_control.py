@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import subprocess
 import sys
@@ -99,3 +100,18 @@ def test_metrics_render_drains_the_timer_into_the_pause_histogram() -> None:
     assert got[("streamkv_gc_pause_seconds_count", (("generation", "2"),))] == 2
     assert got[("streamkv_gc_pause_seconds_count", (("generation", "0"),))] == 0  # pre-created: zeros before the first
     assert got[("streamkv_gc_pause_seconds_sum", (("generation", "2"),))] > 0
+
+
+def test_a_drain_racing_another_returns_when_the_other_took_the_last_pause() -> None:
+    """Two scrapes drain at once; the deque can empty between one drain's look and its pop."""
+
+    class EmptiedUnderfoot(collections.deque[tuple[int, float]]):
+        def __bool__(self) -> bool:  # looks non-empty, as it did just before the other drain's pop
+            return True
+
+    timer = CollectionTimer()
+    timer.close()
+    timer._pending = EmptiedUnderfoot([(0, 0.001)])
+    seen: list[tuple[int, float]] = []
+    timer.drain(lambda generation, seconds: seen.append((generation, seconds)))  # must not raise IndexError
+    assert seen == [(0, 0.001)]
