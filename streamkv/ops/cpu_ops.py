@@ -20,6 +20,10 @@ only when the sources or flags change).
 ``-march=native`` ties the build to the CPU family it was compiled on; the
 cache folder is per machine, so that is the machine that runs it.
 
+A build killed part-way (Ctrl-C during the first start) leaves cpp_extension's
+``lock`` file in its folder; the next load removes it and builds again
+instead of waiting on it forever (:func:`_build_lock`).
+
 When there is no compiler (or the build fails for any other reason),
 :func:`load_cpu_ops` returns ``None`` once, logs why, and callers fall back to
 the torch reference path.
@@ -27,11 +31,14 @@ the torch reference path.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -158,6 +165,28 @@ def _source_digest(paths: tuple[Path, ...]) -> str:
     return digest.hexdigest()[:12]
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``folder/.streamkv-build`` around cpp_extension's load of ``folder``.
+
+    cpp_extension guards a build folder with a ``lock`` file that it creates and removes itself. A process
+    killed mid-build (Ctrl-C during the first ``make serve``) leaves that file behind, and every later load
+    then waits on it forever without a word. Every streamkv load of a folder holds this flock, which the OS
+    drops when its holder dies, for as long as the ``lock`` file can exist. So a ``lock`` file found with
+    the flock in hand was left by a dead process: it is removed (logged), and the build runs again.
+    """
+    with open(folder / ".streamkv-build", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # a live build of this folder in another process: wait for it
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build that was killed; building again", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build(
     name: str, sources: tuple[Path, ...], folder: Path, fallback: str, defines: tuple[str, ...] = ()
 ) -> ModuleType | None:
@@ -166,14 +195,15 @@ def _build(
     start = time.perf_counter()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(s) for s in sources],
-            extra_cflags=[*CFLAGS, *defines],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=False,
-        )
+        with _build_lock(folder):
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in sources],
+                extra_cflags=[*CFLAGS, *defines],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a compile error: all mean "use torch ops"
         logger.warning("streamkv CPU ops %s unavailable (%s: %s); using %s", name, type(exc).__name__, exc, fallback)
         return None
