@@ -33,7 +33,7 @@ from streamkv.ops.cpu_ops import load_linear_ops, set_amx
 ops = load_linear_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the small-batch linear op cannot be built or run here")
 NO_BF16 = pytest.mark.skipif(
-    ops is None or not ops.small_linear_bf16_supported(), reason="the bf16 kernel needs AVX512-BF16 (an AVX2 build)"
+    ops is None or not ops.small_linear_bf16_supported(), reason="the bf16 kernel needs AVX512-BF16"
 )
 NO_AMX = pytest.mark.skipif(
     ops is None or not ops.amx(), reason="bf16 on AMX tiles needs a CPU with AMX-BF16 (and the OS's grant)"

@@ -81,7 +81,7 @@ INT8_MAX = 127
 
 def small_linear_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:
     """Most rows of ``x`` the small-batch kernel of ``ops`` takes for ``dtype`` weights; oneDNN takes more."""
-    return SMALL_LINEAR_MAX_ROWS[dtype] if ops.small_linear_bf16_supported() else SMALL_LINEAR_MAX_ROWS_AVX2
+    return SMALL_LINEAR_MAX_ROWS[dtype] if ops.small_linear_isa() == "avx512" else SMALL_LINEAR_MAX_ROWS_AVX2
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,30 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
+    """The CPU's feature flags as Linux names them (``avx512f``, ``avx512_bf16``, ``amx_bf16``, ...).
+
+    Args:
+        cpuinfo: text in ``/proc/cpuinfo``'s format; read from there when
+            ``None``.
+
+    Returns:
+        The union of every ``flags`` line, or ``None`` where ``/proc/cpuinfo``
+        cannot be read (not Linux).
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags.update(value.split())
+    return frozenset(flags)
+
+
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
     """True when the CPU has native bf16 arithmetic (``avx512_bf16`` or ``amx_bf16`` in its flags).
 
@@ -25,17 +49,10 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
         cpuinfo: text in ``/proc/cpuinfo``'s format; read from there when
             ``None``. Without it (not Linux), torch's own CPU probe answers.
     """
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-            return bool(probe()) if probe is not None else False
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            flags.update(value.split())
+    flags = cpu_flags(cpuinfo)
+    if flags is None:
+        probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+        return bool(probe()) if probe is not None else False
     return not BF16_CPU_FLAGS.isdisjoint(flags)
 
 

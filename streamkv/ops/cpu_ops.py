@@ -91,15 +91,16 @@ def load_fused_ops() -> ModuleType | None:
 def load_linear_ops() -> ModuleType | None:
     """The small-batch linear op (``pack_small_linear``, ``small_linear``); ``None`` when unbuildable or unsupported.
 
-    It needs AVX-512 with AVX512-BF16 for fp32 and bf16 weights, or AVX2 with
-    FMA for fp32 weights alone (``small_linear_supported()`` and
-    ``small_linear_bf16_supported()`` of the build); on other CPUs the oneDNN
-    matmul runs every batch. Cached for the process like :func:`load_cpu_ops`.
+    fp32 weights need AVX-512, or AVX2 with FMA (``small_linear_isa()`` of the
+    build says which kernel); bf16 weights need AVX512-BF16
+    (``small_linear_bf16_supported()``) and int8 weights AVX-512 VNNI
+    (``small_linear_int8_supported()``). On other CPUs the oneDNN matmul runs
+    every batch. Cached for the process like :func:`load_cpu_ops`.
     """
     folder = build_directory() / f"linear-{_source_digest(LINEAR_SOURCES + LINEAR_HEADERS)}"
     module = _build(LINEAR_EXTENSION_NAME, LINEAR_SOURCES, folder, "oneDNN for every matmul")
     if module is not None and not module.small_linear_supported():
-        logger.info("streamkv small-batch linear needs AVX-512 BF16 or AVX2; oneDNN runs every matmul")
+        logger.info("streamkv small-batch linear needs AVX-512, or AVX2 with FMA; oneDNN runs every matmul")
         return None
     return _with_amx_setting(module)
 
@@ -110,7 +111,7 @@ def load_decode_ops() -> ModuleType | None:
 
     Built from ``decode_layer.cpp`` and the sources of the three op sets
     (their Python modules left out), so it needs what the small-batch
-    linear needs (AVX-512 with AVX512-BF16, or AVX2 for fp32 models). Cached for the process like
+    linear needs (AVX-512 or AVX2 for fp32 models, AVX512-BF16 for bf16 ones). Cached for the process like
     :func:`load_cpu_ops`.
     """
     if load_linear_ops() is None:

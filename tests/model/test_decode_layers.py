@@ -43,7 +43,7 @@ def fast_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 def require_op(loaded: LoadedModel) -> None:
     if loaded.model.model.decode_layers is None:
-        pytest.skip("the decode-layer op is not in use here (no AVX512-BF16, or the extension did not build)")
+        pytest.skip("the decode-layer op is not in use here (no small-batch kernel for the dtype, or no build)")
 
 
 def generate(

@@ -1,5 +1,7 @@
 // y = x W^T (+ b) for the few rows of a decode step, streaming W once at memory speed (CPU, fp32 / bf16 / int8 W).
-// AVX-512 with AVX512-BF16 builds run every kernel below; AVX2 builds (no AVX-512) run fp32 weights alone, on
+// Which kernels a build has: fp32 weights on any AVX-512 CPU; bf16 weights with AVX512-BF16 (vdpbf16ps); int8
+// weights with AVX-512 VNNI (vpdpwssd; Cascade Lake, Ice Lake and later, Zen 4). AVX2 builds (no AVX-512) run
+// fp32 weights alone, on
 // run_avx2: the same layout and summation order, 3 x 32 tiles up to 8 rows and 6 x 16 tiles (the shape of
 // BLIS's AVX2 sgemm kernel) past them, on blocks of k once there is more than one pass of rows;
 // 1.2-1.4x oneDNN up to 64 rows, on par at 128.
@@ -68,6 +70,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -81,7 +84,7 @@ constexpr int FLOAT_ROWS = 12;  // most rows of x per pass for the float kernels
 
 int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // The first min(live, 16) lanes (none when live <= 0).
 inline __mmask16 first_lanes(int64_t live) {
   return live >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(live > 0 ? (1u << live) - 1 : 0);
@@ -132,7 +135,11 @@ inline void column_pair(const T* x, int64_t x_stride, T* y, int64_t y_stride, co
         if constexpr (std::is_same_v<T, float>) {
           acc[c][r] = _mm512_fmadd_ps(xv, wv[c], acc[c][r]);
         } else {
+#if defined(__AVX512BF16__)
           acc[c][r] = _mm512_dpbf16_ps(acc[c][r], (__m512bh)xv, (__m512bh)wv[c]);
+#else
+          static_assert(std::is_same_v<T, float>, "bf16 weights need AVX512-BF16 (small_linear_bf16_supported)");
+#endif
         }
       }
     }
@@ -514,7 +521,7 @@ void run_avx2(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
 // Pair steps per int32 partial sum: 256 * 2 * 127 * 32767 < 2^31, so no partial sum can overflow.
 constexpr int64_t INT8_FLUSH_STEPS = 256;
 
@@ -639,14 +646,26 @@ void run_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
 }  // namespace
 
 bool small_linear_supported() {
-#if (defined(__AVX512F__) && defined(__AVX512BF16__)) || defined(STREAMKV_AVX2_LINEAR)
+#if defined(__AVX512F__) || defined(STREAMKV_AVX2_LINEAR)
   return true;
 #else
   return false;
 #endif
 }
 
-// bf16 weights need AVX512-BF16 (vdpbf16ps); an AVX2 build runs fp32 only.
+// The fp32 kernel's instruction set: "avx512" (run), "avx2" (run_avx2; rows in blocks, every batch size) or
+// "" (none). Python picks the rows each takes by it (streamkv/model/linear.py, small_linear_max_rows).
+std::string small_linear_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(STREAMKV_AVX2_LINEAR)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
+// bf16 weights need AVX512-BF16 (vdpbf16ps); an AVX2 build, or AVX-512 without it, runs fp32 only.
 bool small_linear_bf16_supported() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   return true;
@@ -663,7 +682,7 @@ static at::Tensor bias_f32(const c10::optional<at::Tensor>& bias, int64_t n) {
 }
 
 bool small_linear_int8_supported() {
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
   return true;
 #else
   return false;
@@ -672,7 +691,7 @@ bool small_linear_int8_supported() {
 
 // weight [N, K] (fp32 or bf16) -> the packed layout above (same dtype).
 at::Tensor pack_small_linear(const at::Tensor& weight) {
-  TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512 with AVX512-BF16, or AVX2 for fp32");
+  TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512, or AVX2 with FMA");
   TORCH_CHECK(weight.dim() == 2 && !weight.is_cuda(), "weight must be a CPU [N, K]");
   const auto dtype = weight.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "weight must be float32 or bfloat16");
@@ -694,7 +713,7 @@ at::Tensor pack_small_linear(const at::Tensor& weight) {
 
 // out [M, N] = x [M, K] @ W^T (+ bias [N], fp32 or the weight's dtype), W given packed; N = out.size(1).
 void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512 with AVX512-BF16, or AVX2 for fp32");
+  TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512, or AVX2 with FMA");
   const auto dtype = x.scalar_type();
   TORCH_CHECK(packed.scalar_type() == dtype && out.scalar_type() == dtype, "x, packed and out dtypes differ");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "x must be float32 or bfloat16");
@@ -710,11 +729,13 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
               "packed was made for another K than ", k);
   const at::Tensor b32 = bias_f32(bias, n);
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   if (dtype == at::kFloat) {
     run<float>(out, x, packed, bp, n);
     return;
   }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
   if (k % 2 != 0) {  // bf16 goes in (k, k+1) pairs: an odd K takes a zero column, as the packed weight has
     at::Tensor even = at::zeros({x.size(0), k + 1}, x.options());
     even.narrow(1, 0, k).copy_(x);
@@ -737,7 +758,7 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
 // int8 weight q [N, K] -> packed [N/32, K/2, 64] int8: per pair of column blocks and pair of k, block 0's
 // 16 columns x 2 k then block 1's (N padded to a multiple of 32 with zero columns, K to 2 with a zero).
 at::Tensor pack_small_linear_int8(const at::Tensor& q) {
-  TORCH_CHECK(small_linear_int8_supported(), "small_linear_int8 needs AVX-512 with VNNI and BF16");
+  TORCH_CHECK(small_linear_int8_supported(), "small_linear_int8 needs AVX-512 VNNI");
   TORCH_CHECK(q.dim() == 2 && !q.is_cuda() && q.scalar_type() == at::kChar, "q must be a CPU int8 [N, K]");
   const int64_t n = q.size(0), k = q.size(1);
   const int64_t np = padded(n, 2 * LANES), kp = padded(k, 2);
@@ -753,7 +774,7 @@ at::Tensor pack_small_linear_int8(const at::Tensor& q) {
 // out [M, N] = (x [M, K] @ q^T) * scale [N] (+ bias [N]); x and out float32 or bfloat16, q packed int8.
 void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(small_linear_int8_supported(), "small_linear_int8 needs AVX-512 with VNNI and BF16");
+  TORCH_CHECK(small_linear_int8_supported(), "small_linear_int8 needs AVX-512 VNNI");
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(out.scalar_type() == dtype, "x and out dtypes differ");
@@ -770,7 +791,7 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
               "scale must be a contiguous float32 [N]");
   const at::Tensor b32 = bias_f32(bias, n);
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
   if (dtype == at::kFloat)
     run_int8<float>(out, x, packed, scale.data_ptr<float>(), bp, n);
   else
@@ -781,6 +802,7 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
 #ifndef STREAMKV_NO_PYBIND  // left out of streamkv_decode_ops (decode_layer.cpp), which calls the ops directly
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_supported", &small_linear_supported, "whether this build has the fp32 kernel");
+  m.def("small_linear_isa", &small_linear_isa, "the fp32 kernel's instruction set: avx512, avx2 or empty (none)");
   m.def("small_linear_bf16_supported", &small_linear_bf16_supported, "whether this build has the bf16 kernel");
   m.def("amx", &streamkv::amx_on, "whether this extension's bf16 kernels run on AMX tiles in this process");
   m.def("set_amx", &streamkv::set_amx, "switch this extension's AMX kernels; returns the state before", py::arg("on"));
