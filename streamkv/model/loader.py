@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from streamkv.config import ModelConfig
 from streamkv.gc_control import gc_paused
-from streamkv.model.linear import Linear
+from streamkv.model.linear import Linear, has_int8_kernel
 from streamkv.model.llama import FUSED_DTYPES, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import resolve_dtype
 
@@ -224,8 +224,9 @@ def from_hf(
         from streamkv.ops.cpu_ops import load_linear_ops  # builds on first use; None (logged) when it cannot
 
         small_ops = load_linear_ops()
-        if small_ops is not None and dtype == torch.bfloat16 and not small_ops.small_linear_bf16_supported():
-            small_ops = None  # an AVX2 build: its small-batch kernel is fp32 only
+        bf16_float_kernel = dtype == torch.bfloat16 and not (int8 and has_int8_kernel(small_ops))
+        if small_ops is not None and bf16_float_kernel and not small_ops.small_linear_bf16_supported():
+            small_ops = None  # no AVX512-BF16: the float kernel is fp32 only (int8 codes take bf16 rows on any VNNI)
     if prepack and device.type == "cpu" and not model.prepack_cpu_weights(small_ops=small_ops, int8=int8):
         if int8:
             raise ValueError(f"--quantization int8 needs oneDNN matmuls in {dtype}, which this CPU cannot run")
