@@ -53,6 +53,9 @@ from torch import nn
 # depend on how many rows decode with it (a step that also carries a prefill chunk of more rows runs on oneDNN,
 # whose sums run in another order, or on the AMX kernel's narrow weights up to 1,024 rows: there the last bits
 # of gate_up can differ).
+# On an Ice Lake Xeon (AVX-512 without AVX512-BF16; round 20) the fp32 kernel ran 1.22-1.39x / 1.31-1.49x /
+# 1.48-1.53x / 1.27-1.31x / 1.15-1.16x oneDNN at 1 / 8 / 16 / 32 / 64 rows, 0.97-1.09x at 128 and 0.95-1.03x at 256
+# (two runs): the same crossover.
 SMALL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
 # An AVX2 build's fp32 kernel (no AVX-512; load_tests/bench_small_linear.py, 2 threads, 2026-12-03 round 10):
 # 1.2-1.5x oneDNN at 1-32 rows, 1.2x at 64, 1.1x at 128, on par at 256; with rows in blocks of 512, on par or
