@@ -645,14 +645,6 @@ void run_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
 
 }  // namespace
 
-bool small_linear_supported() {
-#if defined(__AVX512F__) || defined(STREAMKV_AVX2_LINEAR)
-  return true;
-#else
-  return false;
-#endif
-}
-
 // The fp32 kernel's instruction set: "avx512" (run), "avx2" (run_avx2; rows in blocks, every batch size) or
 // "" (none). Python picks the rows each takes by it (streamkv/model/linear.py, small_linear_max_rows).
 std::string small_linear_isa() {
@@ -664,6 +656,8 @@ std::string small_linear_isa() {
   return "";
 #endif
 }
+
+bool small_linear_supported() { return !small_linear_isa().empty(); }
 
 // bf16 weights need AVX512-BF16 (vdpbf16ps); an AVX2 build, or AVX-512 without it, runs fp32 only.
 bool small_linear_bf16_supported() {
