@@ -8,10 +8,14 @@ with the weight bytes it streamed per second; the first line is a plain read
 of a 512 MiB tensor (``torch.sum``), the machine's reference bandwidth.
 ``int8`` rows run ``--quantization int8``'s matmuls: bf16 x against the int8
 kernel (its GB/s count int8 bytes) and oneDNN on the dequantized bf16
-weights (what batches past ``INT8_MAX_ROWS`` run).
+weights (what batches past ``INT8_MAX_ROWS`` run). ``q4_1`` rows run a float32
+model of the default GGUF: the projections on their Q4_1 codes (the kernel's
+GB/s count the codes' bytes), the LM head in float32, against oneDNN on the
+float32 weights.
 
     .venv/bin/python -m load_tests.bench_small_linear                       # 2 threads, M = 1 .. 128
     .venv/bin/python -m load_tests.bench_small_linear --rows 1,8 --dtypes bfloat16,int8 --threads 1
+    .venv/bin/python -m load_tests.bench_small_linear --dtypes float32,q4_1
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from streamkv.model.gguf_codes import Q4_1Codes  # noqa: E402
 from streamkv.model.linear import SmallMatmul, dequantize_int8, quantize_int8  # noqa: E402
 from streamkv.ops.cpu_ops import load_linear_ops, set_amx  # noqa: E402
 
@@ -83,8 +88,8 @@ def pack(
     ops: ModuleType, name: str, layers: int
 ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[SmallMatmul]], int, torch.dtype]:
     """oneDNN's and the small kernel's copies of random SmolLM2-shaped weights; bytes the kernel streams; x dtype."""
-    int8 = name == "int8"
-    dtype = torch.bfloat16 if int8 else getattr(torch, name)
+    int8, q4_1 = name == "int8", name == "q4_1"
+    dtype = torch.bfloat16 if int8 else torch.float32 if q4_1 else getattr(torch, name)
     onednn: dict[str, list[torch.Tensor]] = {}
     small: dict[str, list[SmallMatmul]] = {}
     for shape, dims in SHAPES.items():
@@ -92,11 +97,19 @@ def pack(
         for _ in range(1 if shape == "lm_head" else layers):
             w = (torch.randn(*dims) * 0.02).to(dtype)
             codes = quantize_int8(w) if int8 else None
-            dense = dequantize_int8(*codes, dtype) if codes is not None else w
+            q4 = random_q4_1(*dims) if q4_1 and shape != "lm_head" else None  # the model's LM head is not Q4_1
+            dense = dequantize_int8(*codes, dtype) if codes is not None else q4.dequantize() if q4 is not None else w
             onednn[shape].append(torch.ops.mkldnn._reorder_linear_weight(dense, 32))
-            small[shape].append(SmallMatmul.pack(ops, dense, None, codes))
+            small[shape].append(SmallMatmul.pack(ops, dense, None, codes, q4))
     nbytes = sum(k.packed.nbytes for ks in small.values() for k in ks)
     return onednn, small, nbytes, dtype
+
+
+def random_q4_1(n: int, k: int) -> Q4_1Codes:
+    """Random Q4_1 codes of an ``[n, k]`` weight, d and m in the default model's range."""
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    d = (torch.rand(n, k // 32) * 0.01 + 1e-4).half()
+    return Q4_1Codes(codes, d, (-torch.rand(n, k // 32) * 0.08).half())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         "--dtypes",
         default="float32,bfloat16,bfloat16-vdpbf16ps,int8",
         help="float32, bfloat16 (on AMX tiles where the CPU has them), bfloat16-vdpbf16ps (AMX off; only where it"
-        " is on by default), int8 (bf16 x, int8 weights)",
+        " is on by default), int8 (bf16 x, int8 weights), q4_1 (float32 x, the projections as GGUF Q4_1 codes, the"
+        " LM head float32, as the default model runs in float32)",
     )
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--layers", type=int, default=LAYERS, help="weights per projection shape (30 in SmolLM2)")
@@ -127,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "int8" and not ops.small_linear_int8_supported():
             print("| int8 | - | the int8 kernel needs AVX512-VNNI |")
             continue
+        if name == "q4_1" and not ops.small_linear_q4_1_supported():
+            print("| q4_1 | - | the Q4_1 kernel needs AVX-512 |")
+            continue
         if name == "bfloat16" and not ops.small_linear_bf16_supported():
             print("| bfloat16 | - | the bf16 kernel needs AVX512-BF16 |")
             continue
@@ -134,10 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         if name == "bfloat16-vdpbf16ps" and not amx:
             continue  # the bfloat16 rows already ran that kernel
         onednn, small, nbytes, dtype = pack(ops, name.split("-")[0], args.layers)
+        fp32_bytes = sum(n * k * 4 * (1 if s == "lm_head" else args.layers) for s, (n, k) in SHAPES.items())
         set_amx(amx and name != "bfloat16-vdpbf16ps")
         for rows in (int(r) for r in args.rows.split(",")):
             a, b = time_rows(ops, onednn, small, rows, dtype, args.rounds)
-            onednn_bytes = nbytes * (2 if name == "int8" else 1)  # int8: oneDNN streams the bf16 weights
+            # int8: oneDNN streams the bf16 weights; q4_1: the float32 ones
+            onednn_bytes = nbytes * 2 if name == "int8" else fp32_bytes if name == "q4_1" else nbytes
             print(
                 f"| {name} | {rows} | {a * 1e3:.2f} | {onednn_bytes / a / 1e9:.1f} | {b * 1e3:.2f} "
                 f"| {nbytes / b / 1e9:.1f} | {a / b:.2f}x |"
