@@ -27,9 +27,10 @@ torch ops do; the torch ops stay the reference and the fallback.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ from streamkv.model.linear import (
     quantize_int8,
 )
 from streamkv.model.rope import RopeScaling, apply_rope, read_rope, rope_inv_freq, rope_tables
+
+if TYPE_CHECKING:
+    from streamkv.model.gguf_codes import Q4_1Codes
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -247,7 +251,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def prepack_cpu_weights(
-        self, batch_size_hint: int = 32, small_ops: ModuleType | None = None, *, int8: bool = False
+        self,
+        batch_size_hint: int = 32,
+        small_ops: ModuleType | None = None,
+        *,
+        int8: bool = False,
+        q4_1: Mapping[str, Q4_1Codes] | None = None,
     ) -> bool:
         """Move every matmul onto oneDNN-prepacked weights (see :class:`Linear`).
 
@@ -267,6 +276,9 @@ class LlamaForCausalLM(nn.Module):
                 (:func:`streamkv.model.linear.quantize_int8`, one scale per output),
                 run by the int8 kernel at every batch size when ``small_ops`` has it
                 (else dequantized, on oneDNN); the embedding lookups keep the dense table.
+            q4_1: module name -> the GGUF Q4_1 codes of its float32 weight
+                (:func:`streamkv.model.gguf_codes.read_q4_1_projections`): those projections'
+                small batches run on the codes (:meth:`Linear.prepack`).
 
         Returns:
             False, changing nothing, when oneDNN is unavailable or cannot take
@@ -291,9 +303,9 @@ class LlamaForCausalLM(nn.Module):
                     packed_head = pack_linear_weight(dense_head, batch_size_hint)
                 except RuntimeError:
                     return False
-        for module in self.modules():
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.prepack(batch_size_hint, small_ops, int8=int8)
+                module.prepack(batch_size_hint, small_ops, int8=int8, q4_1=(q4_1 or {}).get(name))
         self.packed_lm_head = packed_head
         self.small_lm_head = small_head
         if self.lm_head is not None:

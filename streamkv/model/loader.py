@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from streamkv.config import ModelConfig
 from streamkv.gc_control import gc_paused
-from streamkv.model.linear import Linear, has_int8_kernel
+from streamkv.model.linear import Linear, has_int8_kernel, has_q4_1_kernel
 from streamkv.model.llama import FUSED_DTYPES, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import resolve_dtype
 
@@ -73,11 +73,13 @@ class HFCheckpoint:
         model: the transformers ``*ForCausalLM`` (weights in the load dtype).
         tokenizer: its tokenizer.
         name: display name.
+        gguf: the ``.gguf`` file it came from, if one.
     """
 
     model: Any
     tokenizer: PreTrainedTokenizerBase
     name: str
+    gguf: Path | None = None
 
 
 def default_model_path() -> str:
@@ -165,7 +167,8 @@ def load_hf_checkpoint(model: str | None, dtype: torch.dtype = torch.float32) ->
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, **kwargs)
     t2 = time.perf_counter()
     logger.info("transformers load of %s: tokenizer %.1f s, weights %.1f s", name, t1 - t0, t2 - t1)
-    return HFCheckpoint(model=hf_model.eval(), tokenizer=tokenizer, name=name)
+    gguf = path if path.is_file() else None
+    return HFCheckpoint(model=hf_model.eval(), tokenizer=tokenizer, name=name, gguf=gguf)
 
 
 def from_hf(
@@ -176,6 +179,7 @@ def from_hf(
     prepack: bool = True,
     fused: bool = True,
     quantization: str | None = None,
+    gguf_codes: bool = True,
 ) -> LoadedModel:
     """Build our model from a loaded transformers checkpoint.
 
@@ -196,6 +200,10 @@ def from_hf(
         quantization: ``int8`` for weight-only int8 projections and LM head
             (``ModelConfig.quantization``): oneDNN runs the dequantized weights
             for large batches, the small-batch kernel the int8 codes.
+        gguf_codes: a float32 model from a Q4_1 GGUF runs its decode-sized
+            projections on the GGUF's codes (:mod:`streamkv.model.gguf_codes`;
+            bitwise the float32 results, ~5 bits a weight streamed instead of
+            32) where the small-batch kernel has them; False keeps float32 copies.
 
     Raises:
         ValueError: an unsupported architecture or RoPE scaling; ``int8`` off the
@@ -227,7 +235,15 @@ def from_hf(
         bf16_float_kernel = dtype == torch.bfloat16 and not (int8 and has_int8_kernel(small_ops))
         if small_ops is not None and bf16_float_kernel and not small_ops.small_linear_bf16_supported():
             small_ops = None  # no AVX512-BF16: the float kernel is fp32 only (int8 codes take bf16 rows on any VNNI)
-    if prepack and device.type == "cpu" and not model.prepack_cpu_weights(small_ops=small_ops, int8=int8):
+    q4_1 = None
+    gguf = checkpoint.gguf
+    if gguf_codes and gguf is not None and dtype == torch.float32 and not int8 and has_q4_1_kernel(small_ops):
+        from streamkv.model.gguf_codes import read_q4_1_projections
+
+        weights = {name: m.weight for name, m in model.named_modules() if isinstance(m, Linear)}
+        q4_1 = read_q4_1_projections(gguf, weights, config.num_attention_heads, config.num_key_value_heads)
+        logger.info("%d projections' small batches run on the GGUF's Q4_1 codes (bitwise float32)", len(q4_1))
+    if prepack and device.type == "cpu" and not model.prepack_cpu_weights(small_ops=small_ops, int8=int8, q4_1=q4_1):
         if int8:
             raise ValueError(f"--quantization int8 needs oneDNN matmuls in {dtype}, which this CPU cannot run")
         logger.info("oneDNN cannot take %s weights on this CPU; matmuls use torch's default path", dtype)

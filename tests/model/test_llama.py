@@ -16,6 +16,7 @@ from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from streamkv.config import ModelConfig
 from streamkv.model import llama
+from streamkv.model.linear import Linear, has_q4_1_kernel
 from streamkv.model.llama import LlamaConfig, LlamaForCausalLM, RopeScaling, rope_inv_freq
 from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf, load_model
 
@@ -294,6 +295,28 @@ def test_smollm2_prepacked_logits_match_transformers(
     assert smollm2.model.packed_lm_head is not None or smollm2.model.small_lm_head is not None
     seqs = smollm2_seqs(smollm2.tokenizer)
     assert_matches_hf(smollm2, smollm2_checkpoint.model, seqs, schedule_name, atol=ONEDNN_ATOL)
+
+
+def test_smollm2_projections_run_on_the_ggufs_q4_1_codes_bitwise(
+    smollm2: LoadedModel, smollm2_checkpoint: HFCheckpoint
+) -> None:
+    """Every projection's codes give its loaded weight (the loader checks that), and the kernel on them gives the
+    float32 kernel's bits, at decode rows (one pass) and past them (the dequantized panel)."""
+    from streamkv.ops.cpu_ops import load_linear_ops
+
+    if not has_q4_1_kernel(load_linear_ops()):
+        pytest.skip("the Q4_1 kernel needs an AVX-512 build")
+    floats = from_hf(smollm2_checkpoint, torch.float32, torch.device("cpu"), gguf_codes=False)
+    pairs = [
+        (m, floats.model.get_submodule(name)) for name, m in smollm2.model.named_modules() if isinstance(m, Linear)
+    ]
+    assert len(pairs) == 4 * smollm2.model.config.num_hidden_layers
+    for ours, reference in pairs:
+        assert ours.small is not None and ours.small.packed.dtype == torch.uint8
+        assert reference.small is not None and reference.small.packed.dtype == torch.float32
+        for rows in (1, 13):
+            x = torch.randn(rows, ours.in_features)
+            assert torch.equal(ours(x), reference(x))
 
 
 def test_smollm2_shape(smollm2: LoadedModel) -> None:
