@@ -244,7 +244,8 @@ inline void column_pair_q4_1(const float* x, int64_t x_stride, float* y, int64_t
   for (int64_t b = 0; b < blocks; ++b) {
     const Q4_1Block blk(w + b * Q4_1_BLOCK_BYTES);
     for (int64_t e = 0; e < Q4_1_K; ++e) {
-      if (e < Q4_1_BLOCK_BYTES / 64) _mm_prefetch(reinterpret_cast<const char*>(blk.codes) + 2 * Q4_1_BLOCK_BYTES + e * 64, _MM_HINT_T0);
+      if (e < Q4_1_BLOCK_BYTES / 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk.codes) + 2 * Q4_1_BLOCK_BYTES + e * 64, _MM_HINT_T0);
       __m512 w0, w1;
       blk.step(e, w0, w1);
       const int64_t s = b * Q4_1_K + e;
@@ -826,11 +827,13 @@ bool small_linear_q4_1_supported() {
 // in the high); d, m [N, K/32] float16, the blocks' scales and minima. W[n, k] = d * q + m in fp32.
 at::Tensor pack_small_linear_q4_1(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
   TORCH_CHECK(small_linear_q4_1_supported(), "Q4_1 small_linear needs AVX-512");
-  TORCH_CHECK(codes.dim() == 2 && !codes.is_cuda() && codes.scalar_type() == at::kByte, "codes must be a CPU uint8 [N, K/2]");
+  TORCH_CHECK(codes.dim() == 2 && !codes.is_cuda() && codes.scalar_type() == at::kByte,
+              "codes must be a CPU uint8 [N, K/2]");
   const int64_t n = codes.size(0), k = 2 * codes.size(1), blocks = k / Q4_1_K;
   TORCH_CHECK(k % Q4_1_K == 0, "Q4_1 needs K to be a multiple of 32, not ", k);
   for (const at::Tensor* t : {&d, &m})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == blocks && t->scalar_type() == at::kHalf && !t->is_cuda(),
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == blocks && t->scalar_type() == at::kHalf &&
+                    !t->is_cuda(),
                 "d and m must be CPU float16 [N, K/32]");
   const at::Tensor c = codes.contiguous(), dc = d.contiguous(), mc = m.contiguous();
   const int64_t pairs = padded(n, 2 * LANES) / (2 * LANES);
