@@ -393,6 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except StartupError as e:
             print(f"streamkv serve: {e}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C: uvicorn shuts down gracefully, then raises the signal again
+            return 130
         return 0
     from streamkv.chat_client import ChatOptions, run_chat
 

@@ -168,6 +168,27 @@ def test_serve_wires_engine_metrics_app_and_uvicorn(monkeypatch: pytest.MonkeyPa
     assert built["bound"] == ("127.0.0.1", port)  # the port was bound before uvicorn ran
 
 
+def test_ctrl_c_ends_serve_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn shuts down gracefully on Ctrl-C, then raises the signal again (capture_signals): 130, nothing raised."""
+
+    class Engine(FakeEngine):
+        def __init__(self, config: Any, metrics: Any = None) -> None:
+            super().__init__(metrics=metrics)
+
+    class Server:
+        def __init__(self, config: Any) -> None:
+            pass
+
+        def run(self, sockets: list[socket.socket]) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "streamkv.engine", types.SimpleNamespace(AsyncEngine=Engine))
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "Server", Server)
+    assert main(["serve", "--port", str(free_port()), "--num-blocks", "64", "--log-level", "warning"]) == 130
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
