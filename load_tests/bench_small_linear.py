@@ -8,14 +8,14 @@ with the weight bytes it streamed per second; the first line is a plain read
 of a 512 MiB tensor (``torch.sum``), the machine's reference bandwidth.
 ``int8`` rows run ``--quantization int8``'s matmuls: bf16 x against the int8
 kernel (its GB/s count int8 bytes) and oneDNN on the dequantized bf16
-weights (what batches past ``INT8_MAX_ROWS`` run). ``q4_1`` rows run a float32
-model of the default GGUF: the projections on their Q4_1 codes (the kernel's
-GB/s count the codes' bytes), the LM head in float32, against oneDNN on the
+weights (what batches past ``INT8_MAX_ROWS`` run). ``gguf`` rows run a float32
+model of the default GGUF: the projections on Q4_1 codes and the LM head on
+Q8_0 codes (the kernel's GB/s count the codes' bytes), against oneDNN on the
 float32 weights.
 
     .venv/bin/python -m load_tests.bench_small_linear                       # 2 threads, M = 1 .. 128
     .venv/bin/python -m load_tests.bench_small_linear --rows 1,8 --dtypes bfloat16,int8 --threads 1
-    .venv/bin/python -m load_tests.bench_small_linear --dtypes float32,q4_1
+    .venv/bin/python -m load_tests.bench_small_linear --dtypes float32,gguf
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from streamkv.model.gguf_codes import Q4_1Codes  # noqa: E402
+from streamkv.model.gguf_codes import GGUFCodes, Q4_1Codes, Q8_0Codes  # noqa: E402
 from streamkv.model.linear import SmallMatmul, dequantize_int8, quantize_int8  # noqa: E402
 from streamkv.ops.cpu_ops import load_linear_ops, set_amx  # noqa: E402
 
@@ -88,8 +88,8 @@ def pack(
     ops: ModuleType, name: str, layers: int
 ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[SmallMatmul]], int, torch.dtype]:
     """oneDNN's and the small kernel's copies of random SmolLM2-shaped weights; bytes the kernel streams; x dtype."""
-    int8, q4_1 = name == "int8", name == "q4_1"
-    dtype = torch.bfloat16 if int8 else torch.float32 if q4_1 else getattr(torch, name)
+    int8, gguf = name == "int8", name == "gguf"
+    dtype = torch.bfloat16 if int8 else torch.float32 if gguf else getattr(torch, name)
     onednn: dict[str, list[torch.Tensor]] = {}
     small: dict[str, list[SmallMatmul]] = {}
     for shape, dims in SHAPES.items():
@@ -97,18 +97,22 @@ def pack(
         for _ in range(1 if shape == "lm_head" else layers):
             w = (torch.randn(*dims) * 0.02).to(dtype)
             codes = quantize_int8(w) if int8 else None
-            q4 = random_q4_1(*dims) if q4_1 and shape != "lm_head" else None  # the model's LM head is not Q4_1
-            dense = dequantize_int8(*codes, dtype) if codes is not None else q4.dequantize() if q4 is not None else w
+            blocks = random_gguf(shape, *dims) if gguf else None
+            dense = w if blocks is None else blocks.dequantize()
+            if codes is not None:
+                dense = dequantize_int8(*codes, dtype)
             onednn[shape].append(torch.ops.mkldnn._reorder_linear_weight(dense, 32))
-            small[shape].append(SmallMatmul.pack(ops, dense, None, codes, q4))
+            small[shape].append(SmallMatmul.pack(ops, dense, None, codes, blocks))
     nbytes = sum(k.packed.nbytes for ks in small.values() for k in ks)
     return onednn, small, nbytes, dtype
 
 
-def random_q4_1(n: int, k: int) -> Q4_1Codes:
-    """Random Q4_1 codes of an ``[n, k]`` weight, d and m in the default model's range."""
-    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+def random_gguf(shape: str, n: int, k: int) -> GGUFCodes:
+    """Random codes of an ``[n, k]`` weight as the default GGUF has them: Q8_0 for the LM head, else Q4_1."""
     d = (torch.rand(n, k // 32) * 0.01 + 1e-4).half()
+    if shape == "lm_head":
+        return Q8_0Codes(torch.randint(-127, 128, (n, k), dtype=torch.int8), d)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     return Q4_1Codes(codes, d, (-torch.rand(n, k // 32) * 0.08).half())
 
 
@@ -120,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         "--dtypes",
         default="float32,bfloat16,bfloat16-vdpbf16ps,int8",
         help="float32, bfloat16 (on AMX tiles where the CPU has them), bfloat16-vdpbf16ps (AMX off; only where it"
-        " is on by default), int8 (bf16 x, int8 weights), q4_1 (float32 x, the projections as GGUF Q4_1 codes, the"
-        " LM head float32, as the default model runs in float32)",
+        " is on by default), int8 (bf16 x, int8 weights), gguf (float32 x, the projections as GGUF Q4_1 codes, the"
+        " LM head as Q8_0 codes, as the default model runs in float32)",
     )
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--layers", type=int, default=LAYERS, help="weights per projection shape (30 in SmolLM2)")
@@ -141,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "int8" and not ops.small_linear_int8_supported():
             print("| int8 | - | the int8 kernel needs AVX512-VNNI |")
             continue
-        if name == "q4_1" and not ops.small_linear_q4_1_supported():
-            print("| q4_1 | - | the Q4_1 kernel needs AVX-512 |")
+        if name == "gguf" and not ops.small_linear_gguf_supported():
+            print("| gguf | - | the GGUF kernel needs AVX-512 |")
             continue
         if name == "bfloat16" and not ops.small_linear_bf16_supported():
             print("| bfloat16 | - | the bf16 kernel needs AVX512-BF16 |")
@@ -155,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         set_amx(amx and name != "bfloat16-vdpbf16ps")
         for rows in (int(r) for r in args.rows.split(",")):
             a, b = time_rows(ops, onednn, small, rows, dtype, args.rounds)
-            # int8: oneDNN streams the bf16 weights; q4_1: the float32 ones
-            onednn_bytes = nbytes * 2 if name == "int8" else fp32_bytes if name == "q4_1" else nbytes
+            # int8: oneDNN streams the bf16 weights; gguf: the float32 ones
+            onednn_bytes = nbytes * 2 if name == "int8" else fp32_bytes if name == "gguf" else nbytes
             print(
                 f"| {name} | {rows} | {a * 1e3:.2f} | {onednn_bytes / a / 1e9:.1f} | {b * 1e3:.2f} "
                 f"| {nbytes / b / 1e9:.1f} | {a / b:.2f}x |"

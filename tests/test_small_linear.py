@@ -266,15 +266,15 @@ def test_small_matmul_copies_rows_without_a_unit_stride() -> None:
 def test_bench_small_linear_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     from load_tests import bench_small_linear
 
-    args = ["--rows", "1,9", "--dtypes", "float32,bfloat16,int8,q4_1", "--rounds", "1", "--layers", "1"]
+    args = ["--rows", "1,9", "--dtypes", "float32,bfloat16,int8,gguf", "--rounds", "1", "--layers", "1"]
     assert bench_small_linear.main(args) == 0
     out = capsys.readouterr().out.splitlines()
-    for name in ("float32", "bfloat16", "int8", "q4_1"):
+    for name in ("float32", "bfloat16", "int8", "gguf"):
         rows = [line for line in out if line.startswith(f"| {name} |")]
         if name == "int8" and not ops.small_linear_int8_supported():
             assert rows and "VNNI" in rows[0]
             continue
-        if name == "q4_1" and not ops.small_linear_q4_1_supported():
+        if name == "gguf" and not ops.small_linear_gguf_supported():
             assert rows and "AVX-512" in rows[0]
             continue
         if name == "bfloat16" and not ops.small_linear_bf16_supported():

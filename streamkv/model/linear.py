@@ -30,11 +30,12 @@ weights (:data:`AMX_NARROW_MAX_COLUMNS` outputs or fewer) up to
 :data:`AMX_NARROW_MAX_ROWS` rows, where oneDNN often leaves a thread idle
 (:meth:`SmallMatmul.takes`; "Round 16").
 
-A float32 model loaded from a Q4_1 GGUF (the default model) keeps each
-projection's small-batch copy as the GGUF's codes (:meth:`Linear.prepack`
-with ``q4_1``, :mod:`streamkv.model.gguf_codes`): the kernel dequantizes
-them as it streams them, ~5 bits a weight instead of 32, and its results
-are bitwise those of the float32 weights.
+A float32 model loaded from a GGUF (the default model: Q4_1 projections, a
+Q8_0 tied embedding) keeps each Q4_1 or Q8_0 weight's small-batch copy as
+the GGUF's codes (:meth:`Linear.prepack` with ``codes``,
+:mod:`streamkv.model.gguf_codes`): the kernel dequantizes them as it
+streams them, ~5 or 8.5 bits a weight instead of 32, and its results are
+bitwise those of the float32 weights.
 
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
 ``int8``) keeps only int8 codes and a float32 scale per output, run by the
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from streamkv.model.gguf_codes import Q4_1Codes
+    from streamkv.model.gguf_codes import GGUFCodes
 
 # The measured crossovers (load_tests/bench_small_linear.py, 2 threads, 2026-12-02 round 7): with passes of up
 # to 12 rows and the next panel prefetched, the kernel is 1.30x / 1.32x / 1.16x / 1.04x oneDNN at 16 / 32 / 64
@@ -114,9 +115,10 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.contiguous()
 
 
-def has_q4_1_kernel(ops: ModuleType | None) -> TypeGuard[ModuleType]:
-    """Whether ``ops`` (:func:`streamkv.ops.cpu_ops.load_linear_ops`) runs float32 x on Q4_1 codes (AVX-512)."""
-    return ops is not None and bool(ops.small_linear_q4_1_supported())
+def has_gguf_kernel(ops: ModuleType | None) -> TypeGuard[ModuleType]:
+    """Whether ``ops`` (:func:`streamkv.ops.cpu_ops.load_linear_ops`) runs float32 x on GGUF Q4_1 / Q8_0 codes
+    (AVX-512)."""
+    return ops is not None and bool(ops.small_linear_gguf_supported())
 
 
 def has_int8_kernel(ops: ModuleType | None) -> TypeGuard[ModuleType]:
@@ -160,13 +162,13 @@ class SmallMatmul:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         int8: tuple[torch.Tensor, torch.Tensor] | None = None,
-        q4_1: Q4_1Codes | None = None,
+        codes: GGUFCodes | None = None,
     ) -> SmallMatmul:
         """Pack ``weight [N, K]`` (float32/bfloat16), or its int8 codes and scales ``int8 = (q, scale)``, or the
-        GGUF Q4_1 codes ``q4_1`` of a float32 ``weight`` (which they give bitwise; ``has_q4_1_kernel``)."""
+        GGUF codes of a float32 ``weight`` (which they give bitwise; ``has_gguf_kernel``)."""
         b = None if bias is None else bias.detach().float().contiguous()
-        if q4_1 is not None:
-            packed = ops.pack_small_linear_q4_1(q4_1.codes, q4_1.d, q4_1.m)
+        if codes is not None:
+            packed = codes.pack(ops)
             max_rows = small_linear_max_rows(ops, torch.float32)
             return cls(ops, packed, weight.shape[0], max_rows, None, b, max_rows)
         if int8 is not None:
@@ -238,14 +240,14 @@ class Linear(nn.Linear):
         small_ops: ModuleType | None = None,
         *,
         int8: bool = False,
-        q4_1: Q4_1Codes | None = None,
+        codes: GGUFCodes | None = None,
     ) -> None:
         """Reorder the weight for oneDNN and, given ``small_ops``, for the small-batch kernel; drop the dense copy.
 
         Where that kernel takes every batch size (fp32 on an AVX2 build) no
-        oneDNN copy is kept. Given ``q4_1``, the GGUF codes of a float32 weight
-        (which they give bitwise, :mod:`streamkv.model.gguf_codes`), and a
-        build with the Q4_1 kernel, that kernel takes the small batches from
+        oneDNN copy is kept. Given ``codes``, the GGUF codes of a float32
+        weight (which they give bitwise, :mod:`streamkv.model.gguf_codes`), and
+        a build with the GGUF kernel, that kernel takes the small batches from
         the codes instead of a float32 copy.
 
         With ``int8`` the weight becomes its int8 model (:func:`quantize_int8`)
@@ -258,15 +260,15 @@ class Linear(nn.Linear):
         """
         weight = self.weight.detach()
         if int8:
-            codes = quantize_int8(weight)
+            q = quantize_int8(weight)
             if has_int8_kernel(small_ops):
-                self.small = SmallMatmul.pack(small_ops, weight, self.bias, codes)
+                self.small = SmallMatmul.pack(small_ops, weight, self.bias, q)
                 self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
                 return
-            weight = dequantize_int8(*codes, weight.dtype)
+            weight = dequantize_int8(*q, weight.dtype)
         if small_ops is not None:
-            q4 = q4_1 if weight.dtype == torch.float32 and has_q4_1_kernel(small_ops) else None
-            self.small = SmallMatmul.pack(small_ops, weight, self.bias, q4_1=q4)
+            kept = codes if weight.dtype == torch.float32 and has_gguf_kernel(small_ops) else None
+            self.small = SmallMatmul.pack(small_ops, weight, self.bias, codes=kept)
         if self.small is None or self.small.max_rows < sys.maxsize:  # oneDNN takes the rows the kernel does not
             self.packed_weight = pack_linear_weight(weight, batch_size_hint)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)

@@ -43,6 +43,7 @@ from streamkv.model.linear import (
     Linear,
     SmallMatmul,
     dequantize_int8,
+    has_gguf_kernel,
     has_int8_kernel,
     pack_linear_weight,
     quantize_int8,
@@ -50,7 +51,7 @@ from streamkv.model.linear import (
 from streamkv.model.rope import RopeScaling, apply_rope, read_rope, rope_inv_freq, rope_tables
 
 if TYPE_CHECKING:
-    from streamkv.model.gguf_codes import Q4_1Codes
+    from streamkv.model.gguf_codes import GGUFCodes
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -256,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         small_ops: ModuleType | None = None,
         *,
         int8: bool = False,
-        q4_1: Mapping[str, Q4_1Codes] | None = None,
+        codes: Mapping[str, GGUFCodes] | None = None,
     ) -> bool:
         """Move every matmul onto oneDNN-prepacked weights (see :class:`Linear`).
 
@@ -276,9 +277,9 @@ class LlamaForCausalLM(nn.Module):
                 (:func:`streamkv.model.linear.quantize_int8`, one scale per output),
                 run by the int8 kernel at every batch size when ``small_ops`` has it
                 (else dequantized, on oneDNN); the embedding lookups keep the dense table.
-            q4_1: module name -> the GGUF Q4_1 codes of its float32 weight
-                (:func:`streamkv.model.gguf_codes.read_q4_1_projections`): those projections'
-                small batches run on the codes (:meth:`Linear.prepack`).
+            codes: module name (and ``"lm_head"``) -> the GGUF codes of its float32 weight
+                (:func:`streamkv.model.gguf_codes.read_gguf_codes`): those matmuls' small batches
+                run on the codes (:meth:`Linear.prepack`).
 
         Returns:
             False, changing nothing, when oneDNN is unavailable or cannot take
@@ -289,14 +290,16 @@ class LlamaForCausalLM(nn.Module):
             return False
         if head.dtype not in FUSED_DTYPES:
             small_ops = None
-        codes = quantize_int8(head) if int8 else None
+        gguf = dict(codes or {})
+        int8_head = quantize_int8(head) if int8 else None
         small_head: SmallMatmul | None
-        if codes is not None and has_int8_kernel(small_ops):
-            small_head = SmallMatmul.pack(small_ops, head, None, codes)  # no dense copy: the kernel runs every batch
+        if int8_head is not None and has_int8_kernel(small_ops):
+            small_head = SmallMatmul.pack(small_ops, head, None, int8_head)  # no dense copy: it runs every batch
             packed_head = None
         else:
-            dense_head = head.detach() if codes is None else dequantize_int8(*codes, head.dtype)
-            small_head = None if small_ops is None else SmallMatmul.pack(small_ops, dense_head)
+            dense_head = head.detach() if int8_head is None else dequantize_int8(*int8_head, head.dtype)
+            head_codes = gguf.get("lm_head") if int8_head is None and has_gguf_kernel(small_ops) else None
+            small_head = None if small_ops is None else SmallMatmul.pack(small_ops, dense_head, codes=head_codes)
             packed_head = None  # where the kernel takes every batch size (fp32 on AVX2), no oneDNN copy is kept
             if small_head is None or small_head.max_rows < sys.maxsize:
                 try:
@@ -305,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
                     return False
         for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.prepack(batch_size_hint, small_ops, int8=int8, q4_1=(q4_1 or {}).get(name))
+                module.prepack(batch_size_hint, small_ops, int8=int8, codes=gguf.get(name))
         self.packed_lm_head = packed_head
         self.small_lm_head = small_head
         if self.lm_head is not None:

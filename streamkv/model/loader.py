@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from streamkv.config import ModelConfig
 from streamkv.gc_control import gc_paused
-from streamkv.model.linear import Linear, has_int8_kernel, has_q4_1_kernel
+from streamkv.model.linear import Linear, has_gguf_kernel, has_int8_kernel
 from streamkv.model.llama import FUSED_DTYPES, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import resolve_dtype
 
@@ -200,10 +201,11 @@ def from_hf(
         quantization: ``int8`` for weight-only int8 projections and LM head
             (``ModelConfig.quantization``): oneDNN runs the dequantized weights
             for large batches, the small-batch kernel the int8 codes.
-        gguf_codes: a float32 model from a Q4_1 GGUF runs its decode-sized
-            projections on the GGUF's codes (:mod:`streamkv.model.gguf_codes`;
-            bitwise the float32 results, ~5 bits a weight streamed instead of
-            32) where the small-batch kernel has them; False keeps float32 copies.
+        gguf_codes: a float32 model from a GGUF runs the decode-sized matmuls
+            of its Q4_1 and Q8_0 weights (the default model's projections and LM
+            head) on the GGUF's codes (:mod:`streamkv.model.gguf_codes`; bitwise
+            the float32 results, ~5 or 8.5 bits a weight streamed instead of 32)
+            where the small-batch kernel has them; False keeps float32 copies.
 
     Raises:
         ValueError: an unsupported architecture or RoPE scaling; ``int8`` off the
@@ -235,15 +237,18 @@ def from_hf(
         bf16_float_kernel = dtype == torch.bfloat16 and not (int8 and has_int8_kernel(small_ops))
         if small_ops is not None and bf16_float_kernel and not small_ops.small_linear_bf16_supported():
             small_ops = None  # no AVX512-BF16: the float kernel is fp32 only (int8 codes take bf16 rows on any VNNI)
-    q4_1 = None
+    codes = None
     gguf = checkpoint.gguf
-    if gguf_codes and gguf is not None and dtype == torch.float32 and not int8 and has_q4_1_kernel(small_ops):
-        from streamkv.model.gguf_codes import read_q4_1_projections
+    if gguf_codes and gguf is not None and dtype == torch.float32 and not int8 and has_gguf_kernel(small_ops):
+        from streamkv.model.gguf_codes import LM_HEAD, read_gguf_codes
 
         weights = {name: m.weight for name, m in model.named_modules() if isinstance(m, Linear)}
-        q4_1 = read_q4_1_projections(gguf, weights, config.num_attention_heads, config.num_key_value_heads)
-        logger.info("%d projections' small batches run on the GGUF's Q4_1 codes (bitwise float32)", len(q4_1))
-    if prepack and device.type == "cpu" and not model.prepack_cpu_weights(small_ops=small_ops, int8=int8, q4_1=q4_1):
+        weights[LM_HEAD] = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head
+        codes = read_gguf_codes(gguf, weights, config.num_attention_heads, config.num_key_value_heads)
+        kinds = Counter(type(c).__name__.removesuffix("Codes") for c in codes.values())
+        logger.info("%d matmuls' small batches run on the GGUF's codes (%s; bitwise float32)", len(codes),
+                    ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))  # fmt: skip
+    if prepack and device.type == "cpu" and not model.prepack_cpu_weights(small_ops=small_ops, int8=int8, codes=codes):
         if int8:
             raise ValueError(f"--quantization int8 needs oneDNN matmuls in {dtype}, which this CPU cannot run")
         logger.info("oneDNN cannot take %s weights on this CPU; matmuls use torch's default path", dtype)

@@ -16,7 +16,7 @@ from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from streamkv.config import ModelConfig
 from streamkv.model import llama
-from streamkv.model.linear import Linear, has_q4_1_kernel
+from streamkv.model.linear import Linear, has_gguf_kernel
 from streamkv.model.llama import LlamaConfig, LlamaForCausalLM, RopeScaling, rope_inv_freq
 from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf, load_model
 
@@ -297,25 +297,29 @@ def test_smollm2_prepacked_logits_match_transformers(
     assert_matches_hf(smollm2, smollm2_checkpoint.model, seqs, schedule_name, atol=ONEDNN_ATOL)
 
 
-def test_smollm2_projections_run_on_the_ggufs_q4_1_codes_bitwise(
-    smollm2: LoadedModel, smollm2_checkpoint: HFCheckpoint
-) -> None:
-    """Every projection's codes give its loaded weight (the loader checks that), and the kernel on them gives the
-    float32 kernel's bits, at decode rows (one pass) and past them (the dequantized panel)."""
+def test_smollm2_matmuls_run_on_the_ggufs_codes_bitwise(smollm2: LoadedModel, smollm2_checkpoint: HFCheckpoint) -> None:
+    """Every projection's Q4_1 codes and the LM head's Q8_0 codes give the loaded weights (the loader checks that),
+    and the kernel on them gives the float32 kernel's bits, at decode rows (one pass) and past them (the
+    dequantized panel)."""
     from streamkv.ops.cpu_ops import load_linear_ops
 
-    if not has_q4_1_kernel(load_linear_ops()):
-        pytest.skip("the Q4_1 kernel needs an AVX-512 build")
+    if not has_gguf_kernel(load_linear_ops()):
+        pytest.skip("the GGUF kernel needs an AVX-512 build")
     floats = from_hf(smollm2_checkpoint, torch.float32, torch.device("cpu"), gguf_codes=False)
     pairs = [
-        (m, floats.model.get_submodule(name)) for name, m in smollm2.model.named_modules() if isinstance(m, Linear)
+        (m.small, floats.model.get_submodule(name).small)
+        for name, m in smollm2.model.named_modules()
+        if isinstance(m, Linear)
     ]
     assert len(pairs) == 4 * smollm2.model.config.num_hidden_layers
+    pairs.append((smollm2.model.small_lm_head, floats.model.small_lm_head))
     for ours, reference in pairs:
-        assert ours.small is not None and ours.small.packed.dtype == torch.uint8
-        assert reference.small is not None and reference.small.packed.dtype == torch.float32
+        assert ours is not None and ours.packed.dtype == torch.uint8
+        assert reference is not None and reference.packed.dtype == torch.float32
+        block_bytes = 1088 if ours is pairs[-1][0] else 640  # Q8_0 head, Q4_1 projections
+        assert ours.packed.shape[2] == block_bytes
         for rows in (1, 13):
-            x = torch.randn(rows, ours.in_features)
+            x = torch.randn(rows, reference.packed.shape[1])
             assert torch.equal(ours(x), reference(x))
 
 

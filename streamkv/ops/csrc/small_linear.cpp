@@ -1,10 +1,9 @@
 // y = x W^T (+ b) for the few rows of a decode step, streaming W once at memory speed (CPU, fp32 / bf16 / int8 /
-// Q4_1 W). Which kernels a build has: fp32 weights (and Q4_1 codes under fp32 x) on any AVX-512 CPU; bf16 weights
-// with AVX512-BF16 (vdpbf16ps); int8 weights with AVX-512 VNNI (vpdpwssd; Cascade Lake, Ice Lake and later,
-// Zen 4). AVX2 builds (no AVX-512) run fp32 weights alone, on
-// run_avx2: the same layout and summation order, 3 x 32 tiles up to 8 rows and 6 x 16 tiles (the shape of
-// BLIS's AVX2 sgemm kernel) past them, on blocks of k once there is more than one pass of rows;
-// 1.2-1.4x oneDNN up to 64 rows, on par at 128.
+// GGUF Q4_1 and Q8_0 W). Which kernels a build has: fp32 weights (and GGUF codes under fp32 x) on any AVX-512 CPU;
+// bf16 weights with AVX512-BF16 (vdpbf16ps); int8 weights with AVX-512 VNNI (vpdpwssd; Cascade Lake, Ice Lake
+// and later, Zen 4). AVX2 builds (no AVX-512) run fp32 weights alone, on run_avx2: the same layout and summation
+// order, 3 x 32 tiles up to 8 rows and 6 x 16 tiles (the shape of BLIS's AVX2 sgemm kernel) past them, on blocks
+// of k once there is more than one pass of rows; 1.2-1.4x oneDNN up to 64 rows, on par at 128.
 //
 // A decode step's matmuls have M = batch rows against weights of N x K: at M <= 8 they are bound by the
 // bytes of W, not by FLOPs. oneDNN's packed matmul reaches ~18-20 GB/s on them on the 2-core EPYC where a
@@ -43,10 +42,11 @@
 // also sends it up to 1,024 rows of weights with at most 1,024 outputs, which oneDNN runs on one thread there
 // (streamkv/model/linear.py, AMX_NARROW_MAX_ROWS; "Round 16").
 //
-// fp32 x on Q4_1 codes (the default model's GGUF format; streamkv/model/gguf_codes.py, run_q4_1): a pair's 32
-// columns keep their 4-bit codes and fp16 d, m per block of 32 k (640 bytes a block). w = d * q + m is exact to
-// the bit of gguf-py's fp32 dequantization, and the sums are the fp32 kernel's, so the results are the fp32
-// kernel's on the dequantized weight, bitwise, from a fifth of the bytes.
+// fp32 x on GGUF codes (the default model's format; streamkv/model/gguf_codes.py, run_gguf): a pair's 32 columns
+// keep their codes and fp16 scales per block of 32 k: Q4_1's 4-bit codes with d and m (640 bytes a block; the
+// projections), Q8_0's int8 codes with d (1,088 bytes; the tied embedding, our LM head). w = d * q + m, or d * q,
+// is exact to the bit of gguf-py's fp32 dequantization, and the sums are the fp32 kernel's, so the results are the
+// fp32 kernel's on the dequantized weight, bitwise, from a fifth (Q4_1) or 0.27 (Q8_0) of the bytes.
 //
 // Numerics: fp32 accumulates every product in fp32 (k ascending); bf16 multiplies bf16 pairs exactly and
 // accumulates in fp32 (vdpbf16ps), then rounds to bf16 once, round-to-nearest-even: the contract of
@@ -86,8 +86,9 @@ using streamkv::TileConfig;
 constexpr int64_t LANES = 16;  // outputs per column block
 constexpr int64_t ROWS = 8;    // rows of x per pass over a column block (int8 kernel)
 constexpr int FLOAT_ROWS = 12;  // most rows of x per pass for the float kernels (24 accumulators)
-constexpr int64_t Q4_1_K = 32;             // Q4_1: k steps per block (run_q4_1)
+constexpr int64_t GGUF_K = 32;             // GGUF Q4_1 / Q8_0: k steps per block (run_gguf)
 constexpr int64_t Q4_1_BLOCK_BYTES = 640;  // Q4_1: a pair's block of 32 k steps, codes then d and m
+constexpr int64_t Q8_0_BLOCK_BYTES = 1088;  // Q8_0: a pair's block of 32 k steps, codes then d
 
 int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -206,15 +207,20 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
   });
 }
 
-// fp32 on Q4_1 codes (the GGUF format of the default model; see the file's header): a pair's 32 columns over
-// one block of 32 k steps are Q4_1_BLOCK_BYTES bytes,
+// fp32 on GGUF codes (the default model's format; see the file's header). A pair's 32 columns over one block of
+// 32 k steps are Block::BYTES bytes. Q4_1 (the projections), Q4_1_BLOCK_BYTES:
 //   [0, 512)    32 steps x 16 bytes: byte j of step e holds column j's code (low nibble) and column 16 + j's (high)
 //   [512, 576)  d of the 32 columns, fp16;   [576, 640)  m of the 32 columns, fp16
 // and w = d * q + m. d has 11 significant bits and q 4, so d * q is exact in fp32 and one FMA rounds once, as
-// gguf-py's fp32 (d * q) + m does: every weight is bitwise the dequantized one.
+// gguf-py's fp32 (d * q) + m does. Q8_0 (the tied embedding, our LM head), Q8_0_BLOCK_BYTES:
+//   [0, 1024)    32 steps x 32 bytes: byte j of step e is column j's int8 code
+//   [1024, 1088) d of the 32 columns, fp16
+// and w = d * q: 11 significant bits times 8 (sign included) is exact in fp32, as gguf-py's q * d is. Either way
+// every weight is bitwise the dequantized one.
 
-// The two weight vectors of step e of a pair's block (columns 0-15 and 16-31), dequantized.
+// The two weight vectors of step e of a pair's Q4_1 block (columns 0-15 and 16-31), dequantized.
 struct Q4_1Block {
+  static constexpr int64_t BYTES = Q4_1_BLOCK_BYTES;
   __m512 d0, d1, m0, m1;
   const uint8_t* codes;
   explicit Q4_1Block(const uint8_t* blk)
@@ -230,11 +236,27 @@ struct Q4_1Block {
   }
 };
 
-// column_pair for Q4_1 codes, rows [m0, m0 + R) in one pass, each step's weights dequantized in registers: the
+// The same for a pair's Q8_0 block.
+struct Q8_0Block {
+  static constexpr int64_t BYTES = Q8_0_BLOCK_BYTES;
+  __m512 d0, d1;
+  const uint8_t* codes;
+  explicit Q8_0Block(const uint8_t* blk)
+      : d0(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 1024)))),
+        d1(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 1056)))),
+        codes(blk) {}
+  void step(int64_t e, __m512& w0, __m512& w1) const {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + e * 32));
+    w0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+    w1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+  }
+};
+
+// column_pair for GGUF codes, rows [m0, m0 + R) in one pass, each step's weights dequantized in registers: the
 // FMA chain of column_pair on the dequantized weight (acc = x * w + acc, k ascending), so the same bits. A step
-// reads 16 bytes of codes where fp32 reads 128; the block two ahead is asked for a line a step.
-template <int R>
-inline void column_pair_q4_1(const float* x, int64_t x_stride, float* y, int64_t y_stride, const uint8_t* w,
+// reads 16 (Q4_1) or 32 (Q8_0) bytes of codes where fp32 reads 128; the block two ahead is asked for a line a step.
+template <typename Block, int R>
+inline void column_pair_gguf(const float* x, int64_t x_stride, float* y, int64_t y_stride, const uint8_t* w,
                              const float* bias, int64_t m0, int64_t n, int64_t blocks) {
   __m512 acc[2][R];
   for (int c = 0; c < 2; ++c)
@@ -242,13 +264,13 @@ inline void column_pair_q4_1(const float* x, int64_t x_stride, float* y, int64_t
   const float* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * x_stride;
   for (int64_t b = 0; b < blocks; ++b) {
-    const Q4_1Block blk(w + b * Q4_1_BLOCK_BYTES);
-    for (int64_t e = 0; e < Q4_1_K; ++e) {
-      if (e < Q4_1_BLOCK_BYTES / 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk.codes) + 2 * Q4_1_BLOCK_BYTES + e * 64, _MM_HINT_T0);
+    const Block blk(w + b * Block::BYTES);
+    for (int64_t e = 0; e < GGUF_K; ++e) {
+      if (e < Block::BYTES / 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk.codes) + 2 * Block::BYTES + e * 64, _MM_HINT_T0);
       __m512 w0, w1;
       blk.step(e, w0, w1);
-      const int64_t s = b * Q4_1_K + e;
+      const int64_t s = b * GGUF_K + e;
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(xr[r][s]);
         acc[0][r] = _mm512_fmadd_ps(xv, w0, acc[0][r]);
@@ -266,39 +288,41 @@ inline void column_pair_q4_1(const float* x, int64_t x_stride, float* y, int64_t
   }
 }
 
-template <int R = FLOAT_ROWS>
-inline void column_pair_q4_1_rows(int64_t rows, const float* x, int64_t x_stride, float* y, int64_t y_stride,
+template <typename Block, int R = FLOAT_ROWS>
+inline void column_pair_gguf_rows(int64_t rows, const float* x, int64_t x_stride, float* y, int64_t y_stride,
                                   const uint8_t* w, const float* bias, int64_t m0, int64_t n, int64_t blocks) {
   if constexpr (R > 1) {
-    if (rows < R) return column_pair_q4_1_rows<R - 1>(rows, x, x_stride, y, y_stride, w, bias, m0, n, blocks);
+    if (rows < R) return column_pair_gguf_rows<Block, R - 1>(rows, x, x_stride, y, y_stride, w, bias, m0, n, blocks);
   }
-  column_pair_q4_1<R>(x, x_stride, y, y_stride, w, bias, m0, n, blocks);
+  column_pair_gguf<Block, R>(x, x_stride, y, y_stride, w, bias, m0, n, blocks);
 }
 
 // A pair's whole panel dequantized into fp32 in run()'s packed layout [K, 2, 16] (panel: 64-byte aligned), the
 // next pair's codes asked for a block's lines at each block.
+template <typename Block>
 inline void dequantize_pair(const uint8_t* w, int64_t blocks, const uint8_t* next, float* panel) {
   for (int64_t b = 0; b < blocks; ++b) {
     if (next != nullptr)
-      for (int64_t l = 0; l < Q4_1_BLOCK_BYTES / 64; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(next) + b * Q4_1_BLOCK_BYTES + l * 64, _MM_HINT_T1);
-    const Q4_1Block blk(w + b * Q4_1_BLOCK_BYTES);
-    for (int64_t e = 0; e < Q4_1_K; ++e) {
+      for (int64_t l = 0; l < Block::BYTES / 64; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(next) + b * Block::BYTES + l * 64, _MM_HINT_T1);
+    const Block blk(w + b * Block::BYTES);
+    for (int64_t e = 0; e < GGUF_K; ++e) {
       __m512 w0, w1;
       blk.step(e, w0, w1);
-      _mm512_store_ps(panel + (b * Q4_1_K + e) * 2 * LANES, w0);
-      _mm512_store_ps(panel + (b * Q4_1_K + e) * 2 * LANES + LANES, w1);
+      _mm512_store_ps(panel + (b * GGUF_K + e) * 2 * LANES, w0);
+      _mm512_store_ps(panel + (b * GGUF_K + e) * 2 * LANES + LANES, w1);
     }
   }
 }
 
-// y = x W^T (+ b), W as Q4_1 codes packed [N/32, K/32, Q4_1_BLOCK_BYTES]. Up to FLOAT_ROWS rows: one pass, the
-// weights dequantized in registers (a fifth of fp32's bytes: 1 row ran 4.3x, 8 rows 2.6x the fp32 kernel on
-// SmolLM2's projections from memory). More rows: each pair's panel dequantized once into a thread-local fp32
+// y = x W^T (+ b), W as GGUF codes packed [N/32, K/32, Block::BYTES]. Up to FLOAT_ROWS rows: one pass, the
+// weights dequantized in registers (Q4_1 is a fifth of fp32's bytes: 1 row ran 4.3x, 8 rows 2.6x the fp32 kernel
+// on SmolLM2's projections from memory). More rows: each pair's panel dequantized once into a thread-local fp32
 // panel (73 KB at K = 576, from L2), then run()'s passes over it, where dequantizing in every pass was slower at
 // 64-128 rows (docs/benchmarks.md, "Round 21"). Either way a row's result is column_pair's on the dequantized
 // weight, bitwise, whatever its batch.
-void run_q4_1(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+template <typename Block>
+void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1), pairs = packed.size(0);
   if (m == 0) return;
   const float* xp = x.data_ptr<float>();
@@ -306,7 +330,7 @@ void run_q4_1(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t passes = (m + FLOAT_ROWS - 1) / FLOAT_ROWS;
   const int64_t rows_per_pass = (m + passes - 1) / passes;
-  const int64_t pair_bytes = blocks * Q4_1_BLOCK_BYTES;
+  const int64_t pair_bytes = blocks * Block::BYTES;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buffer;
     float* panel = nullptr;
@@ -319,10 +343,10 @@ void run_q4_1(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
       const int64_t col = pair * 2 * LANES;
       const float* b = bias ? bias + col : nullptr;
       if (passes == 1) {
-        column_pair_q4_1_rows(m, xp, x.stride(0), yp + col, out.stride(0), w, b, 0, n - col, blocks);
+        column_pair_gguf_rows<Block>(m, xp, x.stride(0), yp + col, out.stride(0), w, b, 0, n - col, blocks);
         continue;
       }
-      dequantize_pair(w, blocks, pair + 1 < end ? w + pair_bytes : nullptr, panel);
+      dequantize_pair<Block>(w, blocks, pair + 1 < end ? w + pair_bytes : nullptr, panel);
       for (int64_t m0 = 0; m0 < m; m0 += rows_per_pass)
         column_pair_rows<float>(std::min(rows_per_pass, m - m0), xp, x.stride(0), yp + col, out.stride(0), panel, b,
                                 m0, 0, n - col, k, nullptr, 0);
@@ -814,7 +838,8 @@ bool small_linear_int8_supported() {
 #endif
 }
 
-bool small_linear_q4_1_supported() {
+// GGUF Q4_1 and Q8_0 codes under fp32 x (run_gguf).
+bool small_linear_gguf_supported() {
 #if defined(__AVX512F__)
   return true;
 #else
@@ -822,15 +847,15 @@ bool small_linear_q4_1_supported() {
 #endif
 }
 
-// GGUF Q4_1 blocks of a [N, K] weight -> run_q4_1's layout (N padded to a multiple of 32 with zero columns):
+// GGUF Q4_1 blocks of a [N, K] weight -> run_gguf's layout (N padded to a multiple of 32 with zero columns):
 // codes [N, K/2] uint8, GGUF's order within each block of 32 (byte i: element i in the low nibble, element 16 + i
 // in the high); d, m [N, K/32] float16, the blocks' scales and minima. W[n, k] = d * q + m in fp32.
 at::Tensor pack_small_linear_q4_1(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(small_linear_q4_1_supported(), "Q4_1 small_linear needs AVX-512");
+  TORCH_CHECK(small_linear_gguf_supported(), "Q4_1 small_linear needs AVX-512");
   TORCH_CHECK(codes.dim() == 2 && !codes.is_cuda() && codes.scalar_type() == at::kByte,
               "codes must be a CPU uint8 [N, K/2]");
-  const int64_t n = codes.size(0), k = 2 * codes.size(1), blocks = k / Q4_1_K;
-  TORCH_CHECK(k % Q4_1_K == 0, "Q4_1 needs K to be a multiple of 32, not ", k);
+  const int64_t n = codes.size(0), k = 2 * codes.size(1), blocks = k / GGUF_K;
+  TORCH_CHECK(k % GGUF_K == 0, "Q4_1 needs K to be a multiple of 32, not ", k);
   for (const at::Tensor* t : {&d, &m})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == blocks && t->scalar_type() == at::kHalf &&
                     !t->is_cuda(),
@@ -848,13 +873,43 @@ at::Tensor pack_small_linear_q4_1(const at::Tensor& codes, const at::Tensor& d, 
       const int64_t col = row % (2 * LANES), high = col / LANES, j = col % LANES;
       for (int64_t b = 0; b < blocks; ++b) {
         uint8_t* blk = o + ((row / (2 * LANES)) * blocks + b) * Q4_1_BLOCK_BYTES;
-        const uint8_t* src = cp + row * (k / 2) + b * (Q4_1_K / 2);
-        for (int64_t e = 0; e < Q4_1_K; ++e) {
-          const uint8_t q = e < Q4_1_K / 2 ? src[e] & 0xF : src[e - Q4_1_K / 2] >> 4;
+        const uint8_t* src = cp + row * (k / 2) + b * (GGUF_K / 2);
+        for (int64_t e = 0; e < GGUF_K; ++e) {
+          const uint8_t q = e < GGUF_K / 2 ? src[e] & 0xF : src[e - GGUF_K / 2] >> 4;
           blk[e * LANES + j] |= static_cast<uint8_t>(q << (4 * high));
         }
         std::memcpy(blk + 512 + 2 * col, dp + row * blocks + b, 2);
         std::memcpy(blk + 576 + 2 * col, mp + row * blocks + b, 2);
+      }
+    }
+  });
+  return out;
+}
+
+// GGUF Q8_0 blocks of a [N, K] weight -> run_gguf's layout (N padded to a multiple of 32 with zero columns):
+// codes [N, K] int8; d [N, K/32] float16, the blocks' scales. W[n, k] = d * q in fp32.
+at::Tensor pack_small_linear_q8_0(const at::Tensor& codes, const at::Tensor& d) {
+  TORCH_CHECK(small_linear_gguf_supported(), "Q8_0 small_linear needs AVX-512");
+  TORCH_CHECK(codes.dim() == 2 && !codes.is_cuda() && codes.scalar_type() == at::kChar,
+              "codes must be a CPU int8 [N, K]");
+  const int64_t n = codes.size(0), k = codes.size(1), blocks = k / GGUF_K;
+  TORCH_CHECK(k % GGUF_K == 0, "Q8_0 needs K to be a multiple of 32, not ", k);
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == n && d.size(1) == blocks && d.scalar_type() == at::kHalf && !d.is_cuda(),
+              "d must be CPU float16 [N, K/32]");
+  const at::Tensor c = codes.contiguous(), dc = d.contiguous();
+  const int64_t pairs = padded(n, 2 * LANES) / (2 * LANES);
+  at::Tensor out = at::zeros({pairs, blocks, Q8_0_BLOCK_BYTES}, codes.options().dtype(at::kByte));
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const auto* cp = reinterpret_cast<const uint8_t*>(c.data_ptr<int8_t>());
+  const auto* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t row = p0 * 2 * LANES; row < std::min(n, p1 * 2 * LANES); ++row) {
+      const int64_t col = row % (2 * LANES);
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* blk = o + ((row / (2 * LANES)) * blocks + b) * Q8_0_BLOCK_BYTES;
+        const uint8_t* src = cp + row * k + b * GGUF_K;
+        for (int64_t e = 0; e < GGUF_K; ++e) blk[e * 2 * LANES + col] = src[e];
+        std::memcpy(blk + 1024 + 2 * col, dp + row * blocks + b, 2);
       }
     }
   });
@@ -887,19 +942,24 @@ at::Tensor pack_small_linear(const at::Tensor& weight) {
 void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512, or AVX2 with FMA");
   const auto dtype = x.scalar_type();
-  if (packed.scalar_type() == at::kByte) {  // Q4_1 codes (pack_small_linear_q4_1)
-    TORCH_CHECK(small_linear_q4_1_supported(), "Q4_1 small_linear needs AVX-512");
-    TORCH_CHECK(dtype == at::kFloat && out.scalar_type() == dtype, "Q4_1 weights take float32 x and out");
+  if (packed.scalar_type() == at::kByte) {  // GGUF codes (pack_small_linear_q4_1 / _q8_0)
+    TORCH_CHECK(small_linear_gguf_supported(), "GGUF small_linear needs AVX-512");
+    TORCH_CHECK(dtype == at::kFloat && out.scalar_type() == dtype, "GGUF codes take float32 x and out");
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
                 "x and out must be [M, K] and [M, N] with unit last strides");
     const int64_t n = out.size(1), k = x.size(1);
-    TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == Q4_1_BLOCK_BYTES,
-                "packed must come from pack_small_linear_q4_1");
+    const bool q4_1 = packed.dim() == 3 && packed.size(2) == Q4_1_BLOCK_BYTES;
+    TORCH_CHECK(packed.is_contiguous() && (q4_1 || (packed.dim() == 3 && packed.size(2) == Q8_0_BLOCK_BYTES)),
+                "packed must come from pack_small_linear_q4_1 or pack_small_linear_q8_0");
     TORCH_CHECK(packed.size(0) == padded(n, 2 * LANES) / (2 * LANES) && packed.size(1) * 32 == k,
                 "packed was made for another N or K than ", n, " x ", k);
     const at::Tensor b32 = bias_f32(bias, n);
 #if defined(__AVX512F__)
-    run_q4_1(out, x, packed, b32.defined() ? b32.data_ptr<float>() : nullptr, n);
+    const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
+    if (q4_1)
+      run_gguf<Q4_1Block>(out, x, packed, bp, n);
+    else
+      run_gguf<Q8_0Block>(out, x, packed, bp, n);
 #endif
     return;
   }
@@ -995,12 +1055,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx", &streamkv::amx_on, "whether this extension's bf16 kernels run on AMX tiles in this process");
   m.def("set_amx", &streamkv::set_amx, "switch this extension's AMX kernels; returns the state before", py::arg("on"));
   m.def("pack_small_linear", &pack_small_linear, "pack a [N, K] weight for small_linear");
-  m.def("small_linear", &small_linear, "out = x @ W^T (+ bias) for few rows, W packed (CPU, fp32/bf16, or Q4_1 codes)",
+  m.def("small_linear", &small_linear, "out = x @ W^T (+ bias) for few rows, W packed (CPU, fp32/bf16, or GGUF codes)",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("small_linear_int8_supported", &small_linear_int8_supported, "whether this build has the int8 kernel");
-  m.def("small_linear_q4_1_supported", &small_linear_q4_1_supported, "whether this build has the Q4_1 kernel");
+  m.def("small_linear_gguf_supported", &small_linear_gguf_supported,
+        "whether this build runs GGUF Q4_1 and Q8_0 codes (float32 x)");
   m.def("pack_small_linear_q4_1", &pack_small_linear_q4_1,
         "pack GGUF Q4_1 codes [N, K/2] with their float16 d, m [N, K/32] for small_linear (float32 x)");
+  m.def("pack_small_linear_q8_0", &pack_small_linear_q8_0,
+        "pack GGUF Q8_0 codes [N, K] int8 with their float16 d [N, K/32] for small_linear (float32 x)");
   m.def("pack_small_linear_int8", &pack_small_linear_int8, "pack an int8 [N, K] weight for small_linear_int8");
   m.def("small_linear_int8", &small_linear_int8,
         "out = (x @ q^T) * scale (+ bias) for few rows, q packed int8 (CPU, fp32/bf16 x)", py::arg("out"),

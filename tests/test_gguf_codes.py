@@ -1,0 +1,141 @@
+"""fp32 matmuls on GGUF Q4_1 and Q8_0 codes (``small_linear.cpp``'s run_gguf, ``streamkv/model/gguf_codes.py``).
+
+The kernel's contract is exactness: on codes whose dequantized weight is W,
+its result is bitwise the fp32 kernel's on W, at every row count (one pass
+dequantizes in registers, more passes go through a dequantized panel), with
+column tails, a bias and strided rows. The loader keeps a weight's codes
+only when they give its loaded weight bitwise; the default GGUF's do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from streamkv.model.gguf_codes import GGUFCodes, Q4_1Codes, Q8_0Codes, _from_blocks, _q8_0_from_blocks, _unpermute
+from streamkv.model.linear import Linear, SmallMatmul, has_gguf_kernel
+from streamkv.ops.cpu_ops import load_linear_ops
+
+ops = load_linear_ops()
+pytestmark = pytest.mark.skipif(not has_gguf_kernel(ops), reason="the GGUF kernel needs an AVX-512 build")
+KINDS = ("q4_1", "q8_0")
+
+
+def random_codes(kind: str, n: int, k: int, seed: int = 0) -> GGUFCodes:
+    """Codes with d (and m) of the default model's range (d > 0, m < 0), every code value present."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).half()
+    if kind == "q8_0":
+        return Q8_0Codes(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), d)
+    codes = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    m = (-torch.rand(n, k // 32, generator=g) * 0.08).half()
+    return Q4_1Codes(codes, d, m)
+
+
+def gguf_blocks(c: GGUFCodes) -> np.ndarray:
+    """The GGUF file's bytes of ``c``, ``[N, K/32 * block bytes]`` uint8 (d, [m,] codes per block)."""
+    n, blocks = c.d.shape
+    fields = [c.d.view(torch.uint8).numpy().reshape(n, blocks, 2)]
+    if isinstance(c, Q4_1Codes):
+        fields.append(c.m.view(torch.uint8).numpy().reshape(n, blocks, 2))
+    fields.append(c.codes.view(torch.uint8).numpy().reshape(n, blocks, -1))
+    return np.concatenate(fields, axis=2).reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_and_the_block_reader_are_gguf_pys(kind: str) -> None:
+    """dequantize against gguf-py's own dequantization of the same blocks, and the file's blocks read back."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    c = random_codes(kind, 24, 96)
+    raw = gguf_blocks(c)
+    expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind.upper()]).astype(np.float32))
+    assert torch.equal(c.dequantize(), expected)
+    back = _from_blocks(raw) if kind == "q4_1" else _q8_0_from_blocks(raw)
+    assert type(back) is type(c) and torch.equal(back.dequantize(), expected) and torch.equal(back.codes, c.codes)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (50, 64), (33, 32)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 24, 25, 37, 64, 128, 300])
+def test_bitwise_the_fp32_kernel_on_the_dequantized_weight(kind: str, n: int, k: int, rows: int) -> None:
+    c = random_codes(kind, n, k, seed=rows)
+    w = c.dequantize()
+    bias = torch.randn(n)
+    x = torch.randn(rows, k)
+    expected, got = torch.empty(rows, n), torch.empty(rows, n)
+    ops.small_linear(expected, x, ops.pack_small_linear(w), bias)
+    ops.small_linear(got, x, c.pack(ops), bias)
+    assert torch.equal(got, expected)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_strided_rows_and_no_rows(kind: str) -> None:
+    c = random_codes(kind, 70, 128)
+    packed = c.pack(ops)
+    x = torch.randn(20, 256)[:, :128]  # rows 256 apart
+    out = torch.empty(20, 140)[:, :70]
+    ops.small_linear(out, x, packed, None)
+    expected = torch.empty(20, 70)
+    ops.small_linear(expected, x.contiguous(), ops.pack_small_linear(c.dequantize()), None)
+    assert torch.equal(out, expected)
+    empty = torch.empty(0, 70)
+    ops.small_linear(empty, torch.empty(0, 128), packed, None)
+
+
+def test_bad_arguments_raise() -> None:
+    c = random_codes("q4_1", 40, 64)
+    e = random_codes("q8_0", 40, 64)
+    assert isinstance(c, Q4_1Codes) and isinstance(e, Q8_0Codes)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.pack_small_linear_q4_1(torch.zeros(4, 24, dtype=torch.uint8), c.d[:4, :1], c.m[:4, :1])
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.pack_small_linear_q8_0(torch.zeros(4, 48, dtype=torch.int8), e.d[:4, :1])
+    with pytest.raises(RuntimeError, match="float16"):
+        ops.pack_small_linear_q4_1(c.codes, c.d.float(), c.m)
+    with pytest.raises(RuntimeError, match="float16"):
+        ops.pack_small_linear_q8_0(e.codes, e.d.float())
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.pack_small_linear_q8_0(e.codes.view(torch.uint8), e.d)
+    for packed in (c.pack(ops), e.pack(ops)):
+        with pytest.raises(RuntimeError, match="float32 x"):
+            ops.small_linear(torch.empty(2, 40, dtype=torch.bfloat16), torch.randn(2, 64).bfloat16(), packed, None)
+        with pytest.raises(RuntimeError, match="another N or K"):
+            ops.small_linear(torch.empty(2, 40), torch.randn(2, 96), packed, None)
+    with pytest.raises(RuntimeError, match="pack_small_linear_q4_1 or pack_small_linear_q8_0"):
+        ops.small_linear(torch.empty(2, 40), torch.randn(2, 64), torch.zeros(2, 2, 100, dtype=torch.uint8), None)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_layer_runs_small_batches_on_the_codes_and_large_ones_on_onednn(kind: str) -> None:
+    c = random_codes(kind, 96, 192)
+    w = c.dequantize()
+    layer = Linear(192, 96, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    layer.prepack(32, ops, codes=c)
+    assert isinstance(layer.small, SmallMatmul) and layer.small.packed.dtype == torch.uint8
+    reference = Linear(192, 96, bias=False)
+    with torch.no_grad():
+        reference.weight.copy_(w)
+    reference.prepack(32, ops)
+    for rows in (1, 8, 128):
+        x = torch.randn(rows, 192)
+        assert torch.equal(layer(x), reference(x))
+    big = torch.randn(layer.small.max_rows + 1, 192)
+    torch.testing.assert_close(layer(big), torch.nn.functional.linear(big, w), rtol=1e-4, atol=1e-4)
+
+
+def test_unpermute_is_transformers_reverse_permutation() -> None:
+    """The row order of q / k that transformers' GGUF loader gives (LlamaTensorProcessor)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rows = np.arange(9 * 64, dtype=np.float32).reshape(-1, 1)
+    proc = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
+    for name, heads in (("blk.0.attn_q.weight", 9), ("blk.0.attn_k.weight", 3)):
+        n = 9 * 64 if heads == 9 else 3 * 64
+        expected = proc.process(rows[:n], name).weights[:, 0].astype(np.int64)
+        assert (expected == _unpermute(n, heads)).all()
