@@ -75,7 +75,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <string>
 #include <vector>
 
 namespace {
@@ -105,6 +104,21 @@ inline void store_row(T* dst, __mmask16 mask, __m512 v) {
     _mm512_mask_storeu_ps(dst, mask, v);
   } else {
     _mm256_mask_storeu_epi16(dst, mask, bf16_round16(v));
+  }
+}
+
+// A pass's results acc[c][r] (+ bias) into rows [m0, m0 + R) of y, columns col0 + 16 c + j below n (the zero
+// columns padding N to a multiple of 32 are not stored).
+template <typename T, int R>
+inline void store_pair(const __m512 (&acc)[2][R], T* y, int64_t y_stride, const float* bias, int64_t m0, int64_t col0,
+                       int64_t n) {
+  for (int c = 0; c < 2; ++c) {
+    const int64_t col = col0 + c * LANES;
+    const int64_t live = std::min<int64_t>(LANES, n - col);
+    if (live <= 0) break;
+    const __mmask16 mask = first_lanes(live);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) store_row(y + (m0 + r) * y_stride + col, mask, _mm512_add_ps(acc[c][r], b));
   }
 }
 
@@ -152,14 +166,7 @@ inline void column_pair(const T* x, int64_t x_stride, T* y, int64_t y_stride, co
       }
     }
   }
-  for (int c = 0; c < NB; ++c) {
-    const int64_t col = (2 * pair + c) * LANES;
-    const int64_t live = std::min<int64_t>(LANES, n - col);
-    if (live <= 0) break;  // the zero block padding N to a multiple of 32
-    const __mmask16 mask = first_lanes(live);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) store_row(y + (m0 + r) * y_stride + col, mask, _mm512_add_ps(acc[c][r], b));
-  }
+  store_pair<T, R>(acc, y, y_stride, bias, m0, 2 * pair * LANES, n);
 }
 
 // column_pair for 1 <= rows <= FLOAT_ROWS rows, each count its own instantiation.
@@ -278,14 +285,7 @@ inline void column_pair_gguf(const float* x, int64_t x_stride, float* y, int64_t
       }
     }
   }
-  for (int c = 0; c < 2; ++c) {
-    const int64_t col = c * LANES;  // y, bias and n start at the pair's first column
-    const int64_t live = std::min<int64_t>(LANES, n - col);
-    if (live <= 0) break;
-    const __mmask16 mask = first_lanes(live);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) store_row(y + (m0 + r) * y_stride + col, mask, _mm512_add_ps(acc[c][r], bv));
-  }
+  store_pair<float, R>(acc, y, y_stride, bias, m0, 0, n);  // y, bias and n start at the pair's first column
 }
 
 template <typename Block, int R = FLOAT_ROWS>
@@ -802,7 +802,7 @@ void run_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
 
 // The fp32 kernel's instruction set: "avx512" (run), "avx2" (run_avx2; rows in blocks, every batch size) or
 // "" (none). Python picks the rows each takes by it (streamkv/model/linear.py, small_linear_max_rows).
-std::string small_linear_isa() {
+const char* small_linear_isa() {
 #if defined(__AVX512F__)
   return "avx512";
 #elif defined(STREAMKV_AVX2_LINEAR)
@@ -812,7 +812,7 @@ std::string small_linear_isa() {
 #endif
 }
 
-bool small_linear_supported() { return !small_linear_isa().empty(); }
+bool small_linear_supported() { return *small_linear_isa() != '\0'; }
 
 // bf16 weights need AVX512-BF16 (vdpbf16ps); an AVX2 build, or AVX-512 without it, runs fp32 only.
 bool small_linear_bf16_supported() {
