@@ -129,6 +129,12 @@ class EngineMetrics:
             buckets=LOOP_LAG_BUCKETS,
             registry=r,
         )
+        self.gc_pauses_dropped = Counter(
+            "streamkv_gc_pauses_dropped",
+            "Garbage collections whose pause was not timed: more came between two scrapes than the timer keeps "
+            "(gc_control.CollectionTimer's max_pending).",
+            registry=r,
+        )
         self.engine_stalls = Counter(
             "streamkv_engine_stalls",
             "Times the engine ran steps with work queued but no token computed and no request finished.",
@@ -178,6 +184,8 @@ class EngineMetrics:
         self._snapshot_collector = _SnapshotCollector()
         r.register(self._snapshot_collector)
         self._gc_timer: CollectionTimer | None = None
+        self._gc_dropped_seen = 0  # the timer's `dropped` already added to streamkv_gc_pauses_dropped
+        self._gc_lock = threading.Lock()  # two scrapes may render at once
 
     # ------------------------------------------------------------ public API
 
@@ -188,7 +196,9 @@ class EngineMetrics:
 
     def attach_gc_timer(self, timer: CollectionTimer | None) -> None:
         """Drain ``timer``'s collection pauses into ``streamkv_gc_pause_seconds`` at each scrape (None detaches)."""
-        self._gc_timer = timer
+        with self._gc_lock:
+            self._gc_timer = timer
+            self._gc_dropped_seen = 0
 
     def attach(self, snapshot_fn: SnapshotFn | None) -> None:
         """Read gauges and engine counters from ``snapshot_fn()`` at each scrape (None detaches)."""
@@ -234,8 +244,13 @@ class EngineMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition: ``(body, content_type)``."""
-        if self._gc_timer is not None:
-            self._gc_timer.drain(self.observe_gc_pause)
+        if (timer := self._gc_timer) is not None:
+            timer.drain(self.observe_gc_pause)
+            with self._gc_lock:
+                dropped = timer.dropped
+                if timer is self._gc_timer and dropped > self._gc_dropped_seen:
+                    self.gc_pauses_dropped.inc(dropped - self._gc_dropped_seen)
+                    self._gc_dropped_seen = dropped
         if not self.const_labels:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
         return generate_latest(_Labelled(self.registry, self.const_labels)), CONTENT_TYPE_LATEST

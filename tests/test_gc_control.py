@@ -102,6 +102,28 @@ def test_metrics_render_drains_the_timer_into_the_pause_histogram() -> None:
     assert got[("streamkv_gc_pause_seconds_sum", (("generation", "2"),))] > 0
 
 
+def test_pauses_past_the_timers_bound_are_counted_once_in_the_dropped_counter() -> None:
+    m = EngineMetrics()
+    timer = CollectionTimer(max_pending=2)
+    m.attach_gc_timer(timer)
+
+    def dropped() -> float:
+        families = text_string_to_metric_families(m.render()[0].decode())
+        return next(s.value for f in families for s in f.samples if s.name == "streamkv_gc_pauses_dropped_total")
+
+    try:
+        with gc_paused():  # no automatic collection (the render allocates) between the counted ones
+            assert dropped() == 0
+            for _ in range(5):
+                gc.collect(0)
+            assert dropped() == 3  # 5 pauses, 2 kept: 3 never timed
+            assert dropped() == 3  # a second scrape adds nothing
+            gc.collect(0)
+            assert dropped() == 3  # the drain emptied the deque: one more pause fits
+    finally:
+        timer.close()
+
+
 def test_a_drain_racing_another_returns_when_the_other_took_the_last_pause() -> None:
     """Two scrapes drain at once; the deque can empty between one drain's look and its pop."""
 
