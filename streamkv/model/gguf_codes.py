@@ -203,5 +203,6 @@ def read_gguf_codes(
         if weight.dtype == torch.float32 and torch.equal(fused.dequantize(), weight.detach()):
             found[name] = fused
         else:
-            logger.warning("%s: the GGUF's %s codes do not give the loaded weight; kept in float32", name, kind)
+            label = type(fused).__name__.removesuffix("Codes")
+            logger.warning("%s: the GGUF's %s codes do not give the loaded weight; kept in float32", name, label)
     return found
