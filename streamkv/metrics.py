@@ -197,8 +197,9 @@ class EngineMetrics:
     def attach_gc_timer(self, timer: CollectionTimer | None) -> None:
         """Drain ``timer``'s collection pauses into ``streamkv_gc_pause_seconds`` at each scrape (None detaches)."""
         with self._gc_lock:
-            self._gc_timer = timer
-            self._gc_dropped_seen = 0
+            if timer is not self._gc_timer:  # the same timer again keeps its count: its drops are not added twice
+                self._gc_timer = timer
+                self._gc_dropped_seen = 0
 
     def attach(self, snapshot_fn: SnapshotFn | None) -> None:
         """Read gauges and engine counters from ``snapshot_fn()`` at each scrape (None detaches)."""

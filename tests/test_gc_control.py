@@ -120,6 +120,8 @@ def test_pauses_past_the_timers_bound_are_counted_once_in_the_dropped_counter() 
             assert dropped() == 3  # a second scrape adds nothing
             gc.collect(0)
             assert dropped() == 3  # the drain emptied the deque: one more pause fits
+            m.attach_gc_timer(timer)  # attached again: its drops are not counted twice
+            assert dropped() == 3
     finally:
         timer.close()
 

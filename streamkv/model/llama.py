@@ -298,7 +298,8 @@ class LlamaForCausalLM(nn.Module):
             packed_head = None
         else:
             dense_head = head.detach() if int8_head is None else dequantize_int8(*int8_head, head.dtype)
-            head_codes = gguf.get("lm_head") if int8_head is None and has_gguf_kernel(small_ops) else None
+            gguf_head = int8_head is None and head.dtype == torch.float32 and has_gguf_kernel(small_ops)
+            head_codes = gguf.get("lm_head") if gguf_head else None
             small_head = None if small_ops is None else SmallMatmul.pack(small_ops, dense_head, codes=head_codes)
             packed_head = None  # where the kernel takes every batch size (fp32 on AVX2), no oneDNN copy is kept
             if small_head is None or small_head.max_rows < sys.maxsize:
