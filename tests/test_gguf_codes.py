@@ -172,3 +172,13 @@ def test_codes_that_do_not_give_the_loaded_weight_are_left_out_and_logged(caplog
     assert "lm_head: the GGUF's Q8_0 codes do not give the loaded weight" in caplog.text
     assert "model.layers.0.self_attn.o_proj: the GGUF's Q4_1 codes do not give the loaded weight" in caplog.text
     assert "model.norm" not in caplog.text
+
+
+def test_int8_weights_do_not_take_the_codes_of_the_float32_weight() -> None:
+    """--quantization int8 replaces the weight by its int8 model, which the GGUF's codes do not give."""
+    c = random_codes("q4_1", 64, 128)
+    layer = Linear(128, 64, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(c.dequantize())
+    layer.prepack(32, ops, int8=True, codes=c)
+    assert layer.small is not None and layer.small.packed.dtype != torch.uint8

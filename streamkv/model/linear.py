@@ -165,9 +165,10 @@ class SmallMatmul:
         codes: GGUFCodes | None = None,
     ) -> SmallMatmul:
         """Pack ``weight [N, K]`` (float32/bfloat16), or its int8 codes and scales ``int8 = (q, scale)``, or the
-        GGUF codes of a float32 ``weight`` (which they give bitwise; ``has_gguf_kernel``)."""
+        GGUF ``codes`` that give a float32 ``weight`` bitwise. The codes are taken where ``weight`` is float32 and
+        ``ops`` has the GGUF kernel (``has_gguf_kernel``); elsewhere ``weight`` itself is packed."""
         b = None if bias is None else bias.detach().float().contiguous()
-        if codes is not None:
+        if codes is not None and weight.dtype == torch.float32 and has_gguf_kernel(ops):
             packed = codes.pack(ops)
             max_rows = small_linear_max_rows(ops, torch.float32)
             return cls(ops, packed, weight.shape[0], max_rows, None, b, max_rows)
@@ -266,9 +267,9 @@ class Linear(nn.Linear):
                 self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
                 return
             weight = dequantize_int8(*q, weight.dtype)
+            codes = None  # the GGUF's codes give the weight, not its int8 model
         if small_ops is not None:
-            kept = codes if weight.dtype == torch.float32 and has_gguf_kernel(small_ops) else None
-            self.small = SmallMatmul.pack(small_ops, weight, self.bias, codes=kept)
+            self.small = SmallMatmul.pack(small_ops, weight, self.bias, codes=codes)
         if self.small is None or self.small.max_rows < sys.maxsize:  # oneDNN takes the rows the kernel does not
             self.packed_weight = pack_linear_weight(weight, batch_size_hint)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)

@@ -43,7 +43,6 @@ from streamkv.model.linear import (
     Linear,
     SmallMatmul,
     dequantize_int8,
-    has_gguf_kernel,
     has_int8_kernel,
     pack_linear_weight,
     quantize_int8,
@@ -290,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
             return False
         if head.dtype not in FUSED_DTYPES:
             small_ops = None
-        gguf = dict(codes or {})
+        gguf = {} if int8 else dict(codes or {})  # the GGUF's codes give the weights, not their int8 models
         int8_head = quantize_int8(head) if int8 else None
         small_head: SmallMatmul | None
         if int8_head is not None and has_int8_kernel(small_ops):
@@ -298,8 +297,7 @@ class LlamaForCausalLM(nn.Module):
             packed_head = None
         else:
             dense_head = head.detach() if int8_head is None else dequantize_int8(*int8_head, head.dtype)
-            gguf_head = int8_head is None and head.dtype == torch.float32 and has_gguf_kernel(small_ops)
-            head_codes = gguf.get("lm_head") if gguf_head else None
+            head_codes = gguf.get("lm_head")
             small_head = None if small_ops is None else SmallMatmul.pack(small_ops, dense_head, codes=head_codes)
             packed_head = None  # where the kernel takes every batch size (fp32 on AVX2), no oneDNN copy is kept
             if small_head is None or small_head.max_rows < sys.maxsize:
