@@ -942,11 +942,11 @@ at::Tensor pack_small_linear(const at::Tensor& weight) {
 void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(small_linear_supported(), "small_linear needs AVX-512, or AVX2 with FMA");
   const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
+              "x and out must be [M, K] and [M, N] with unit last strides");
   if (packed.scalar_type() == at::kByte) {  // GGUF codes (pack_small_linear_q4_1 / _q8_0)
     TORCH_CHECK(small_linear_gguf_supported(), "GGUF small_linear needs AVX-512");
     TORCH_CHECK(dtype == at::kFloat && out.scalar_type() == dtype, "GGUF codes take float32 x and out");
-    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
-                "x and out must be [M, K] and [M, N] with unit last strides");
     const int64_t n = out.size(1), k = x.size(1);
     const bool q4_1 = packed.dim() == 3 && packed.size(2) == Q4_1_BLOCK_BYTES;
     TORCH_CHECK(packed.is_contiguous() && (q4_1 || (packed.dim() == 3 && packed.size(2) == Q8_0_BLOCK_BYTES)),
@@ -966,8 +966,6 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(packed.scalar_type() == dtype && out.scalar_type() == dtype, "x, packed and out dtypes differ");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(dtype == at::kFloat || small_linear_bf16_supported(), "bf16 small_linear needs AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
-              "x and out must be [M, K] and [M, N] with unit last strides");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == 2 * LANES * (dtype == at::kFloat ? 1 : 2),
               "packed must come from pack_small_linear");
   const int64_t n = out.size(1), k = x.size(1);
