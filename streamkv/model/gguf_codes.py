@@ -203,6 +203,5 @@ def read_gguf_codes(
         if weight.dtype == torch.float32 and torch.equal(fused.dequantize(), weight.detach()):
             found[name] = fused
         else:
-            label = type(fused).__name__.removesuffix("Codes")
-            logger.warning("%s: the GGUF's %s codes do not give the loaded weight; kept in float32", name, label)
+            logger.warning("%s: the GGUF's %s codes do not give the loaded weight; kept in float32", name, kind.name)
     return found
