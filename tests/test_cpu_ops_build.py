@@ -4,11 +4,13 @@ kernel the CPU can run is in the build."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
 
 from streamkv.model.precision import cpu_flags
+from streamkv.ops import cpu_ops
 from streamkv.ops.cpu_ops import _build, load_cpu_ops, load_linear_ops
 
 SOURCE = """
@@ -53,3 +55,47 @@ def test_the_small_batch_linear_build_has_every_kernel_this_cpu_can_run() -> Non
     assert ops is not None and ops.small_linear_isa() == isa
     assert ops.small_linear_bf16_supported() == ("avx512_bf16" in flags)
     assert ops.small_linear_int8_supported() == ({"avx512f", "avx512_vnni"} <= flags)
+
+
+def _compiled_files(sources: tuple[Path, ...]) -> set[Path]:
+    """``sources`` and every header they include (``#include "..."``, followed into headers)."""
+    found, todo = set(), list(sources)
+    while todo:
+        path = todo.pop()
+        if path not in found:
+            found.add(path)
+            todo += [path.parent / h for h in re.findall(r'^#include "([^"]+)"', path.read_text(), re.MULTILINE)]
+    return found
+
+
+def test_each_build_folder_is_keyed_by_its_sources_and_every_header_they_include(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checkouts sharing a home folder build side by side (a shared folder rebuilds on every load) only when a
+    change to any file a build compiles, headers included, changes that build's folder name."""
+    keyed: dict[str, tuple[Path, ...]] = {}
+    real_digest = cpu_ops._source_digest
+
+    def digest(paths: tuple[Path, ...]) -> str:
+        keyed[real_digest(paths)] = paths
+        return real_digest(paths)
+
+    builds: dict[str, tuple[tuple[Path, ...], Path]] = {}
+
+    def build(name: str, sources: tuple[Path, ...], folder: Path, fallback: str, defines: tuple[str, ...] = ()) -> None:
+        builds[name] = (sources, folder)
+
+    loaders = [cpu_ops.load_cpu_ops, cpu_ops.load_fused_ops, cpu_ops.load_linear_ops, cpu_ops.load_decode_ops]
+    monkeypatch.setattr(cpu_ops, "_source_digest", digest)
+    monkeypatch.setattr(cpu_ops, "_build", build)
+    monkeypatch.setattr(cpu_ops, "load_linear_ops", lambda: object())  # the decode op is built only beside it
+    for loader in loaders:
+        loader.__wrapped__()  # the uncached body: builds nothing here
+
+    assert len(builds) == 4
+    assert len({folder.name for _, folder in builds.values()}) == 4
+    for name, (sources, folder) in builds.items():
+        digests = [d for d in keyed if folder.name.endswith(d)]
+        assert len(digests) == 1, f"{name}: folder {folder.name} is not keyed by a digest of its files"
+        missing = _compiled_files(sources) - set(keyed[digests[0]])
+        assert not missing, f"{name}: a change to {sorted(p.name for p in missing)} would not change its folder"

@@ -12,7 +12,7 @@ with the other sources compiled in: a decode step's layer in one call;
 The extension is JIT-compiled by :func:`torch.utils.cpp_extension.load` with
 ``-O3 -march=native -fopenmp`` into a per-user cache folder
 (``~/.cache/streamkv/torch_extensions/<torch version>/<digest of the sources>``
-for the attention ops); ``make install``
+for the attention ops, ``fused-``, ``linear-`` and ``decode-<digest>`` for the others); ``make install``
 runs ``python -m streamkv.ops.cpu_ops`` so the first server start does not
 pay the ~1 minute compile. Later loads reuse the build (cpp_extension rebuilds
 only when the sources or flags change).
@@ -53,6 +53,7 @@ SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "paged_prefill.cpp")
 HEADERS = tuple(_CSRC / h for h in ("amx.h", "kv_row.h", "kv_tile.h", "simd_math.h", "ops.h", "work_split.h"))
 FUSED_EXTENSION_NAME = "streamkv_fused_ops"
 FUSED_SOURCES = (_CSRC / "fused_layers.cpp",)
+FUSED_HEADERS = (_CSRC / "ops.h", _CSRC / "simd_math.h")
 LINEAR_EXTENSION_NAME = "streamkv_linear_ops"
 LINEAR_SOURCES = (_CSRC / "small_linear.cpp",)
 LINEAR_HEADERS = (_CSRC / "amx.h", _CSRC / "ops.h", _CSRC / "simd_math.h")
@@ -83,8 +84,9 @@ def load_fused_ops() -> ModuleType | None:
 
     Cached for the process like :func:`load_cpu_ops`.
     """
-    # Its own folder: cpp_extension keeps one build.ninja per folder.
-    return _build(FUSED_EXTENSION_NAME, FUSED_SOURCES, build_directory() / "fused", "the torch layer ops")
+    # Its own folder (cpp_extension keeps one build.ninja per folder), keyed by its sources like the others.
+    folder = build_directory() / f"fused-{_source_digest(FUSED_SOURCES + FUSED_HEADERS)}"
+    return _build(FUSED_EXTENSION_NAME, FUSED_SOURCES, folder, "the torch layer ops")
 
 
 @functools.cache
