@@ -32,7 +32,7 @@ from streamkv.config import ModelConfig
 from streamkv.gc_control import gc_paused
 from streamkv.model.linear import Linear, has_gguf_kernel, has_int8_kernel
 from streamkv.model.llama import FUSED_DTYPES, DecoderLayer, LlamaConfig, LlamaForCausalLM
-from streamkv.model.precision import resolve_dtype
+from streamkv.model.precision import emulated_bf16_warning, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,8 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
     """
     start = time.perf_counter()
     dtype = resolve_dtype(cfg.dtype, device)
+    if (warning := emulated_bf16_warning(dtype, device)) is not None:
+        logger.warning(warning)
     with gc_paused():  # a third of the load was full collections walking the parser's objects (gc_control.py)
         checkpoint = load_hf_checkpoint(cfg.model, dtype)
         loaded = from_hf(checkpoint, dtype, device, prepack=prepack, quantization=cfg.quantization)
