@@ -123,7 +123,7 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
     """
     start = time.perf_counter()
     dtype = resolve_dtype(cfg.dtype, device)
-    if (warning := emulated_bf16_warning(dtype, device)) is not None:
+    if (warning := emulated_bf16_warning(dtype, device, cfg.quantization)) is not None:
         logger.warning(warning)
     with gc_paused():  # a third of the load was full collections walking the parser's objects (gc_control.py)
         checkpoint = load_hf_checkpoint(cfg.model, dtype)

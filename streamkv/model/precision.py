@@ -67,7 +67,9 @@ def onednn_has_bf16() -> bool:
     return bool(probe()) if probe is not None and torch.backends.mkldnn.is_available() else False
 
 
-def emulated_bf16_warning(dtype: torch.dtype, device: torch.device, cpuinfo: str | None = None) -> str | None:
+def emulated_bf16_warning(
+    dtype: torch.dtype, device: torch.device, quantization: str | None = None, cpuinfo: str | None = None
+) -> str | None:
     """What to tell a user who asked for bf16 on a CPU that has no bf16 arithmetic; ``None`` otherwise.
 
     Without AVX512-BF16 or AMX-BF16 oneDNN widens bf16 to fp32 for fp32 FMAs
@@ -76,13 +78,16 @@ def emulated_bf16_warning(dtype: torch.dtype, device: torch.device, cpuinfo: str
     68.7 / 100.5 / 87.9 output tok/s at batch 1 / 8 / 32 / 64 against
     float32's 77.5 / 245.0 / 299.7 / 311.2 in one run, 0.28-0.34x
     (docs/benchmarks.md, "Round 24"). ``--dtype auto`` picks float32 there.
+    With ``--quantization int8`` the int8 kernel takes bf16 rows on any VNNI
+    CPU, so nothing is said (that mix is not measured here).
 
     Args:
         dtype: the resolved model dtype.
         device: where the model runs.
+        quantization: ``ModelConfig.quantization``.
         cpuinfo: as in :func:`cpu_has_bf16`.
     """
-    if dtype != torch.bfloat16 or device.type != "cpu" or cpu_has_bf16(cpuinfo):
+    if dtype != torch.bfloat16 or device.type != "cpu" or quantization is not None or cpu_has_bf16(cpuinfo):
         return None
     return (
         "bfloat16 on a CPU without AVX512-BF16 or AMX-BF16: bf16 matmuls are widened to fp32 and the "

@@ -46,12 +46,13 @@ def test_explicit_names_and_errors() -> None:
 
 def test_bf16_on_a_cpu_without_bf16_arithmetic_is_warned_of() -> None:
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    warning = emulated_bf16_warning(bf16, cpu, OLD)
+    warning = emulated_bf16_warning(bf16, cpu, cpuinfo=OLD)
     assert warning is not None and "float32" in warning and "AVX512-BF16" in warning
-    assert emulated_bf16_warning(bf16, cpu, EPYC) is None
-    assert emulated_bf16_warning(bf16, cpu, XEON_AMX) is None
-    assert emulated_bf16_warning(torch.float32, cpu, OLD) is None
-    assert emulated_bf16_warning(bf16, torch.device("cuda"), OLD) is None  # a GPU's bf16 is its own
+    assert emulated_bf16_warning(bf16, cpu, cpuinfo=EPYC) is None
+    assert emulated_bf16_warning(bf16, cpu, cpuinfo=XEON_AMX) is None
+    assert emulated_bf16_warning(torch.float32, cpu, cpuinfo=OLD) is None
+    assert emulated_bf16_warning(bf16, torch.device("cuda"), cpuinfo=OLD) is None  # a GPU's bf16 is its own
+    assert emulated_bf16_warning(bf16, cpu, "int8", cpuinfo=OLD) is None  # the int8 kernel takes bf16 rows anyway
 
 
 def test_loading_in_bf16_there_logs_the_warning(
