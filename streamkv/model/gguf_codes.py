@@ -18,7 +18,10 @@ model fuses them (``qkv_proj`` = q, k, v rows; ``gate_up_proj`` = gate, up),
 with q's and k's rows in transformers' order (its GGUF loader undoes
 llama.cpp's RoPE permutation of them, ``LlamaTensorProcessor``), and of the
 LM head, and keeps a weight's codes only when they dequantize to the loaded
-weight bitwise.
+weight bitwise. It finds them through a :class:`GGUFTensor` table: gguf-py's
+reader builds one (:func:`gguf_tensor_table`, ~3 s for the default model,
+nearly all of it parsing the metadata), or a GGUF cache entry holds it
+(:mod:`streamkv.model.gguf_cache`).
 """
 
 from __future__ import annotations
@@ -111,6 +114,43 @@ class Q8_0Codes:
         return ops.pack_small_linear_q8_0(self.codes, self.d)
 
 
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """Where one tensor's bytes lie in a GGUF file.
+
+    Attributes:
+        type: its ``GGMLQuantizationType`` value (2 is Q4_1, 8 is Q8_0).
+        offset: bytes from the start of the file to its data.
+        rows: its rows (gguf-py's first data dimension; 1 for a vector).
+        nbytes: its bytes; row ``i`` is ``nbytes // rows`` bytes from ``offset + i * nbytes // rows``.
+    """
+
+    type: int
+    offset: int
+    rows: int
+    nbytes: int
+
+    def read(self, data: np.ndarray) -> np.ndarray:
+        """Its bytes as uint8 ``[rows, nbytes // rows]``, a view of ``data`` (the whole file, uint8)."""
+        return data[self.offset : self.offset + self.nbytes].reshape(self.rows, -1)
+
+
+def gguf_tensor_table(path: Path) -> dict[str, GGUFTensor]:
+    """Every tensor of the GGUF at ``path``, by name, through gguf-py's reader (seconds: it parses all metadata).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not a GGUF file (gguf-py's error).
+    """
+    from gguf import GGUFReader
+
+    table = {}
+    for t in GGUFReader(path).tensors:
+        rows = t.data.shape[0] if t.data.ndim > 1 else 1
+        table[t.name] = GGUFTensor(int(t.tensor_type), int(t.data_offset), int(rows), int(t.n_bytes))
+    return table
+
+
 GGUFCodes = Q4_1Codes | Q8_0Codes
 _C = TypeVar("_C", Q4_1Codes, Q8_0Codes)
 
@@ -164,7 +204,11 @@ def _sources(name: str, tensor_names: Container[str]) -> list[str] | None:
 
 
 def read_gguf_codes(
-    path: Path, weights: Mapping[str, torch.Tensor], num_heads: int, num_kv_heads: int
+    path: Path,
+    weights: Mapping[str, torch.Tensor],
+    num_heads: int,
+    num_kv_heads: int,
+    table: Mapping[str, GGUFTensor] | None = None,
 ) -> dict[str, GGUFCodes]:
     """The weights of ``weights`` whose GGUF tensors are all Q4_1 or all Q8_0 and dequantize to the weight bitwise.
 
@@ -176,25 +220,27 @@ def read_gguf_codes(
             (``model.layers.{i}.self_attn.qkv_proj``, ``...mlp.gate_up_proj``, ...) and :data:`LM_HEAD`; other
             names are ignored.
         num_heads, num_kv_heads: the model's query and KV heads (q's and k's rows are unpermuted by them).
+        table: the file's tensors (:func:`gguf_tensor_table`, or a GGUF cache entry's); None reads it.
 
     Returns:
         Name -> its codes; the others are left out (another quantization in the file, or codes that do not give
         the loaded weight, which is logged).
     """
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
-    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    tensors = gguf_tensor_table(path) if table is None else table
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
     found: dict[str, GGUFCodes] = {}
     for name, weight in weights.items():
         sources = _sources(name, tensors)
         if sources is None:
             continue
-        types = {tensors[src].tensor_type if src in tensors else None for src in sources}
+        types = {tensors[src].type if src in tensors else None for src in sources}
         kind = types.pop() if len(types) == 1 else None
         if kind not in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
             continue
-        raw = [(np.asarray(tensors[src].data), heads.get(src.split(".")[-2])) for src in sources]
+        raw = [(tensors[src].read(data), heads.get(src.split(".")[-2])) for src in sources]
         fused: GGUFCodes
         if kind == GGMLQuantizationType.Q4_1:
             fused = Q4_1Codes.cat([_rope_rows(_from_blocks(data), h) for data, h in raw])
@@ -203,5 +249,6 @@ def read_gguf_codes(
         if weight.dtype == torch.float32 and torch.equal(fused.dequantize(), weight.detach()):
             found[name] = fused
         else:
-            logger.warning("%s: the GGUF's %s codes do not give the loaded weight; kept in float32", name, kind.name)
+            kind_name = GGMLQuantizationType(kind).name
+            logger.warning("%s: the GGUF's %s codes do not give the loaded weight; kept in float32", name, kind_name)
     return found
