@@ -266,27 +266,16 @@ def ensure_hf_model(cache: Path) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from streamkv.model.gguf_cache import save_dequantized
         from streamkv.model.loader import default_model_path
 
         gguf = Path(default_model_path())
         kwargs = {"gguf_file": gguf.name, "local_files_only": True}
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-        # The weights are plain de-quantized fp32; only the bookkeeping says "gguf".
-        model.hf_quantizer = None  # type: ignore[assignment]  # transformers' attribute, typed loosely
-        model.is_quantized = False  # type: ignore[assignment]
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
         tmp = cache / f".{HF_FOLDER_NAME}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        again = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, local_files_only=True)
-        want, got = model.state_dict(), again.state_dict()
-        differ = [k for k in want if k not in got or not torch.equal(want[k], got[k])]
-        if differ or set(got) - set(want):
-            extra = sorted(set(got) - set(want))[:5]
-            raise RuntimeError(f"saved weights differ from the GGUF load: {differ[:5]} {extra}")
+        save_dequantized(model, tokenizer, tmp)  # reloads and compares the weights bitwise
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return out

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 
 MiB = 1 << 20
+GiB = 1 << 30
 # --kv-cache-dtype values (vLLM's names, plus float32 for tests and figures); resolved in attention/kv_layout.py
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
 
@@ -18,6 +20,11 @@ class PreemptionMode(enum.StrEnum):
 
     RECOMPUTE = "recompute"  # free the blocks; the sequence is prefilled again later
     SWAP = "swap"  # copy the blocks to the host tier; swapped back in later
+
+
+def default_gguf_cache_dir() -> str:
+    """``~/.cache/streamkv/gguf``, beside the C++ ops' build folders."""
+    return str(Path.home() / ".cache" / "streamkv" / "gguf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +47,11 @@ class ModelConfig:
             int8 with one scale per output channel for every projection and the
             LM head (CPU only; activations and KV stay in ``dtype``; see
             :func:`streamkv.model.linear.quantize_int8`).
+        gguf_cache_dir: where a ``.gguf`` model's transformers load is saved
+            on its first load, so later loads skip parsing the file
+            (:mod:`streamkv.model.gguf_cache`); ``None``: no cache.
+        gguf_cache_space: most bytes the entries in ``gguf_cache_dir`` take
+            (float32 weights: ~4.4x a Q4 file); least recently used go first.
     """
 
     model: str | None = None
@@ -48,6 +60,8 @@ class ModelConfig:
     attention_backend: str = "auto"
     seed: int | None = None
     quantization: str | None = None
+    gguf_cache_dir: str | None = field(default_factory=default_gguf_cache_dir)
+    gguf_cache_space: int = 4 * GiB
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -58,6 +72,10 @@ class ModelConfig:
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, not {self.attention_backend!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or int8, not {self.quantization!r}")
+        if self.gguf_cache_dir is not None and not self.gguf_cache_dir.strip():
+            raise ValueError("gguf_cache_dir must not be empty (None for no cache)")
+        if self.gguf_cache_space < 1:
+            raise ValueError("gguf_cache_space must be at least 1 byte")
 
 
 @dataclass(frozen=True, slots=True)

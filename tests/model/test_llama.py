@@ -19,6 +19,7 @@ from streamkv.model import llama
 from streamkv.model.linear import Linear, has_gguf_kernel
 from streamkv.model.llama import LlamaConfig, LlamaForCausalLM, RopeScaling, rope_inv_freq
 from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf, load_model
+from tests.model.built import built_tensors
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -286,23 +287,6 @@ def test_smollm2_logits_match_transformers(
 # float64 run is ~4e-5, ours on oneDNN ~1.2e-4), so this path gets twice the tolerance. On an AVX2 build the
 # small-batch kernel (k ascending, one FMA chain per output) runs every fp32 matmul, within the same tolerance.
 ONEDNN_ATOL = 2e-4
-
-
-def built_tensors(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Every tensor a load builds: parameters, buffers (RoPE tables) and the packed copies of the matmuls (oneDNN's
-    blocked ones as the plain weights they hold)."""
-    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-    for name, module in model.named_modules():
-        if isinstance(module, Linear):
-            if module.packed_weight is not None:
-                tensors[f"{name}.packed_weight"] = module.packed_weight
-            if module.small is not None:
-                tensors[f"{name}.small.packed"] = module.small.packed
-    if model.packed_lm_head is not None:
-        tensors["packed_lm_head"] = model.packed_lm_head
-    if model.small_lm_head is not None:
-        tensors["small_lm_head.packed"] = model.small_lm_head.packed
-    return {name: t.to_dense() if t.is_mkldnn else t for name, t in tensors.items()}
 
 
 def differences_from_a_fresh_load(ours: LoadedModel, checkpoint: HFCheckpoint) -> list[str]:
