@@ -128,6 +128,7 @@ class AsyncEngine:
         self.max_model_len = self.core.max_model_len
         self.eos_token_ids = tuple(self.core.loaded.eos_token_ids)
         self.model_name = self.core.loaded.name
+        self.load_seconds, self.load_source = self.core.loaded.load_seconds, self.core.loaded.source
         self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()

@@ -83,6 +83,7 @@ class FakeEngine:
         )
         self.tokenizer = None
         self.model_name = "fake-model"
+        self.load_seconds, self.load_source = 0.5, "folder"
         self.error: BaseException | None = None
         self.stalled = False
         self.chat = FakeChat()

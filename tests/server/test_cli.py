@@ -22,7 +22,7 @@ from server_harness import RunningServer, wait_for
 from starlette.applications import Starlette
 
 from streamkv.chat_client import ChatOptions, interactive, one_shot
-from streamkv.config import CacheConfig, SchedulerConfig
+from streamkv.config import CacheConfig, ModelConfig, SchedulerConfig
 from streamkv.server import cli
 from streamkv.server.cli import build_configs, build_parser, main, parse_bytes
 
@@ -57,8 +57,15 @@ def test_serve_defaults_match_the_configs() -> None:
     engine, server = build_configs(build_parser().parse_args(["serve"]))
     assert engine.cache == CacheConfig()
     assert engine.scheduler == SchedulerConfig()
-    assert engine.model.model is None and engine.model.device == "auto"
+    assert engine.model == ModelConfig()
     assert (server.host, server.port) == ("127.0.0.1", 8000)
+
+
+def test_the_gguf_cache_flags_reach_the_model_config(tmp_path: Path) -> None:
+    args = ["serve", "--gguf-cache-dir", str(tmp_path), "--gguf-cache-space", "2GiB"]
+    model = build_configs(build_parser().parse_args(args))[0].model
+    assert (model.gguf_cache_dir, model.gguf_cache_space) == (str(tmp_path), 2 << 30)
+    assert build_configs(build_parser().parse_args(["serve", "--no-gguf-cache"]))[0].model.gguf_cache_dir is None
 
 
 def test_serve_options_reach_the_configs() -> None:
@@ -129,6 +136,8 @@ def test_serve_options_reach_the_configs() -> None:
         (["--port", "70000"], "--port"),
         (["--kv-cache-memory", "lots"], "not a size in bytes"),
         (["--preemption-mode", "drop"], "invalid choice"),
+        (["--gguf-cache-space", "lots"], "not a size in bytes"),
+        (["--gguf-cache-dir", " "], "--gguf-cache-dir: gguf_cache_dir must not be empty"),
     ],
 )
 def test_bad_serve_options_are_clean_usage_errors(
@@ -163,6 +172,8 @@ def test_serve_wires_engine_metrics_app_and_uvicorn(monkeypatch: pytest.MonkeyPa
     port = free_port()
     assert main(["serve", "--port", str(port), "--num-blocks", "64", "--log-level", "warning"]) == 0
     assert built["config"].cache.num_blocks == 64 and built["metrics"] is not None
+    registry = built["metrics"].registry
+    assert registry.get_sample_value("streamkv_model_load_seconds", {"source": "folder"}) == 0.5  # FakeEngine's
     config = built["uvicorn_config"]
     assert isinstance(config.app, Starlette) and config.ws == "websockets-sansio"
     assert built["bound"] == ("127.0.0.1", port)  # the port was bound before uvicorn ran
