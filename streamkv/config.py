@@ -51,7 +51,7 @@ class ModelConfig:
             on its first load, so later loads skip parsing the file
             (:mod:`streamkv.model.gguf_cache`); ``None``: no cache.
         gguf_cache_space: most bytes the entries in ``gguf_cache_dir`` take
-            (float32 weights: ~4.4x a Q4 file); least recently used go first.
+            (float32 weights: ~5.5x a Q4 file); least recently used go first.
     """
 
     model: str | None = None

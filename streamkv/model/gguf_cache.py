@@ -11,18 +11,21 @@ transformers mapping tensor names. The weights themselves de-quantize in
 The first load of a file saves what transformers built, through its own
 ``save_pretrained`` (float32 safetensors, config, generation config,
 tokenizer and chat template), and the file's tensor table into
-``<cache dir>/<stem>-<key>/``. The key digests the file's bytes (sha256,
+``<cache dir>/gguf-<key>/``. The key digests the file's bytes (sha256,
 ~0.1 s for the default model), the transformers version and
-:data:`FORMAT`. Later loads of the same bytes read that folder with
-``from_pretrained`` (~0.3 s) and memory-map the codes through the table.
+:data:`FORMAT`, not its name: a copy of the file elsewhere, or renamed, hits.
+Later loads of the same bytes read that folder with ``from_pretrained``
+(~0.3 s) and memory-map the codes through the table.
 
 An entry is written to a temporary folder, reloaded and compared bitwise
 with the weights it came from, and only then renamed into place, so a
 reader sees a whole entry or none. A rename that loses to another process
-writing the same entry leaves that one. An entry that fails to load is
+writing the same entry leaves that one. The manifest lists the entry's
+files and their sizes; an entry with a file missing or of another size, a
+tensor table that does not fit the file, or anything that fails to load is
 removed and the file parsed again. The cache is bounded in bytes
-(``--gguf-cache-space``): the least recently used entries go first, and an
-entry that would not fit is not written.
+(``--gguf-cache-space``): when an entry is written the least recently used
+go first, and an entry that would not fit is not written.
 """
 
 from __future__ import annotations
@@ -104,51 +107,55 @@ class GGUFCache:
     def __init__(self, root: Path, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError("max_bytes must be at least 1")
-        self.root = root
+        self.root = root.expanduser()
         self.max_bytes = max_bytes
 
     def entry(self, gguf: Path) -> tuple[Path, dict[str, Any]]:
-        """The entry folder of ``gguf``'s bytes and the manifest it must hold (without its tensor table)."""
+        """The entry folder of ``gguf``'s bytes and the manifest it must hold (without its files and table).
+
+        Raises:
+            OSError: ``gguf`` cannot be read.
+        """
         import transformers
 
-        identity = {"format": FORMAT, "gguf_sha256": file_sha256(gguf), "transformers": transformers.__version__}
+        identity = {
+            "format": FORMAT,
+            "gguf_sha256": file_sha256(gguf),
+            "gguf_bytes": gguf.stat().st_size,
+            "transformers": transformers.__version__,
+        }
         key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-        return self.root / f"{gguf.stem}-{key}", identity
+        return self.root / f"gguf-{key}", identity
 
     def load(self, folder: Path, identity: dict[str, Any]) -> tuple[Any, Any, dict[str, GGUFTensor]] | None:
         """transformers' model and tokenizer from the entry, and the GGUF's tensor table; None when there is none.
 
-        An entry that does not match ``identity`` or does not load is removed (logged).
+        An entry that does not match ``identity`` or its own manifest, or does not load, is removed (logged).
         """
-        try:
-            manifest = json.loads((folder / MANIFEST).read_text())
-        except FileNotFoundError:
-            if folder.exists():
-                self._drop(folder, "no manifest")
-            return None
-        except (OSError, ValueError) as e:
-            self._drop(folder, f"unreadable manifest ({e})")
-            return None
-        if any(manifest.get(k) != v for k, v in identity.items()):
-            self._drop(folder, "its manifest names other bytes or versions")
+        if not folder.exists():
             return None
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         try:
-            table = {name: GGUFTensor(**fields) for name, fields in manifest["tensors"].items()}
+            manifest = json.loads((folder / MANIFEST).read_text())
+            table = _checked_manifest(folder, manifest, identity)
             tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
         except Exception as e:  # noqa: BLE001 (any failure means the entry is not usable: parse the GGUF instead)
             self._drop(folder, f"{type(e).__name__}: {e}")
             return None
-        os.utime(folder / MANIFEST)  # most recently used
+        try:
+            os.utime(folder / MANIFEST)  # most recently used
+        except OSError:  # a cache others wrote and this user only reads: the entry serves all the same
+            pass
         return model, tokenizer, table
 
     def store(
         self, folder: Path, identity: dict[str, Any], model: Any, tokenizer: Any, table: dict[str, GGUFTensor]
     ) -> bool:
         """Write the entry (see the module docstring); False, logged, when it is not written."""
-        need = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+        need = sum(tensors.values())  # tied weights (embedding and LM head) are saved once
         if need > self.max_bytes:
             logger.info("GGUF cache: %s not cached: %.2f GiB is over --gguf-cache-space (%.2f GiB)",
                         folder.name, need / 2**30, self.max_bytes / 2**30)  # fmt: skip
@@ -164,7 +171,8 @@ class GGUFCache:
             tmp.mkdir()
             start = time.perf_counter()
             save_dequantized(model, tokenizer, tmp)
-            manifest = {**identity, "tensors": {name: asdict(t) for name, t in table.items()}}
+            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+            manifest = {**identity, "files": files, "tensors": {name: asdict(t) for name, t in table.items()}}
             (tmp / MANIFEST).write_text(json.dumps(manifest))
             try:
                 tmp.rename(folder)
@@ -196,7 +204,7 @@ class GGUFCache:
         found = []
         for folder in self.root.iterdir():
             manifest = folder / MANIFEST
-            if folder.is_dir() and manifest.is_file():
+            if not folder.name.startswith(".") and folder.is_dir() and manifest.is_file():  # not a write in progress
                 found.append((manifest.stat().st_mtime, folder, entry_bytes(folder)))
         return sorted(found)
 
@@ -218,5 +226,29 @@ class GGUFCache:
             total -= size
 
     def _drop(self, folder: Path, why: str) -> None:
-        logger.warning("GGUF cache: %s is not usable (%s); removing it and reading the GGUF", folder, why)
-        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            shutil.rmtree(folder)
+            done = "removed it"
+        except OSError as e:
+            done = f"could not remove it ({e})"
+        logger.warning("GGUF cache: %s is not usable (%s); %s, reading the GGUF", folder, why, done)
+
+
+def _checked_manifest(folder: Path, manifest: Any, identity: dict[str, Any]) -> dict[str, GGUFTensor]:
+    """The entry's tensor table, once its manifest is checked against ``identity``, its files and the GGUF's size.
+
+    Raises:
+        ValueError: the manifest names other bytes or versions, a file is missing or of another size, or a tensor
+            lies outside the file.
+    """
+    if not isinstance(manifest, dict) or any(manifest.get(k) != v for k, v in identity.items()):
+        raise ValueError("its manifest names other bytes or versions")
+    for name, size in dict(manifest["files"]).items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != size:
+            raise ValueError(f"{name} is missing or not {size} bytes")
+    table = {name: GGUFTensor(**fields) for name, fields in dict(manifest["tensors"]).items()}
+    for name, t in table.items():
+        if t.rows < 1 or t.nbytes % t.rows or t.offset < 0 or t.offset + t.nbytes > identity["gguf_bytes"]:
+            raise ValueError(f"tensor {name} does not fit the GGUF ({t})")
+    return table

@@ -119,7 +119,7 @@ class GGUFTensor:
     """Where one tensor's bytes lie in a GGUF file.
 
     Attributes:
-        type: its ``GGMLQuantizationType`` value (2 is Q4_1, 8 is Q8_0).
+        type: its ``GGMLQuantizationType`` value (3 is Q4_1, 8 is Q8_0).
         offset: bytes from the start of the file to its data.
         rows: its rows (gguf-py's first data dimension; 1 for a vector).
         nbytes: its bytes; row ``i`` is ``nbytes // rows`` bytes from ``offset + i * nbytes // rows``.
@@ -240,13 +240,17 @@ def read_gguf_codes(
         kind = types.pop() if len(types) == 1 else None
         if kind not in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
             continue
-        raw = [(tensors[src].read(data), heads.get(src.split(".")[-2])) for src in sources]
         fused: GGUFCodes
-        if kind == GGMLQuantizationType.Q4_1:
-            fused = Q4_1Codes.cat([_rope_rows(_from_blocks(data), h) for data, h in raw])
-        else:
-            fused = Q8_0Codes.cat([_rope_rows(_q8_0_from_blocks(data), h) for data, h in raw])
-        if weight.dtype == torch.float32 and torch.equal(fused.dequantize(), weight.detach()):
+        try:
+            raw = [(tensors[src].read(data), heads.get(src.split(".")[-2])) for src in sources]
+            if kind == GGMLQuantizationType.Q4_1:
+                fused = Q4_1Codes.cat([_rope_rows(_from_blocks(data), h) for data, h in raw])
+            else:
+                fused = Q8_0Codes.cat([_rope_rows(_q8_0_from_blocks(data), h) for data, h in raw])
+            usable = weight.dtype == torch.float32 and torch.equal(fused.dequantize(), weight.detach())
+        except (ValueError, RuntimeError):  # a table whose shapes do not fit the weight (a damaged cache entry's)
+            usable = False
+        if usable:
             found[name] = fused
         else:
             kind_name = GGMLQuantizationType(kind).name

@@ -121,7 +121,7 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
     Logs how long it took (``LoadedModel.load_seconds``). A GGUF's first
     load takes ~19 s for the default model, mostly transformers parsing the
     file (tokenizer, config and weights each parse it once); later ones read
-    ``cfg.gguf_cache_dir`` (~4 s) unless it is None.
+    ``cfg.gguf_cache_dir`` (~3 s in all) unless it is None.
 
     Args:
         cfg: what to load.

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gguf-cache-space",
         type=parse_bytes,
         default=model.gguf_cache_space,
-        help="most bytes of --gguf-cache-dir (least recently used entries go first; ~4.4x a Q4 file each)",
+        help="most bytes of --gguf-cache-dir (least recently used entries go first; ~5.5x a Q4 file each)",
     )
     serve.add_argument("--host", default=server.host, help="bind address")
     serve.add_argument("--port", type=int, default=server.port, help="TCP port (bound before the model loads)")

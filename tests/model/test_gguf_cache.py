@@ -78,11 +78,11 @@ def tiny_load(tiny_model_dir: str) -> tuple[Any, Any]:
 def fake_gguf(folder: Path, name: str, content: bytes) -> Path:
     """A file that plays a GGUF's part: the cache keys on its bytes and never parses it."""
     path = folder / f"{name}.gguf"
-    path.write_bytes(content)
+    path.write_bytes(content.ljust(64, b"\0"))  # room for TABLE's tensor
     return path
 
 
-TABLE = {"blk.0.attn_q.weight": GGUFTensor(type=2, offset=4096, rows=64, nbytes=64 * 40)}
+TABLE = {"blk.0.attn_q.weight": GGUFTensor(type=3, offset=24, rows=2, nbytes=40)}  # Q4_1, two 20-byte rows
 
 
 def stored(cache: GGUFCache, gguf: Path, tiny_load: tuple[Any, Any]) -> Path:
@@ -95,7 +95,7 @@ def test_store_then_load_gives_the_weights_tokenizer_and_table(tmp_path: Path, t
     cache = GGUFCache(tmp_path / "cache", GiB)
     gguf = fake_gguf(tmp_path, "m", b"gguf bytes")
     folder = stored(cache, gguf, tiny_load)
-    assert folder.parent == cache.root and folder.name.startswith("m-")
+    assert folder.parent == cache.root and folder.name.startswith("gguf-")
     assert not list(cache.root.glob(".*.tmp"))
     hit = cache.load(*cache.entry(gguf))
     assert hit is not None
@@ -116,25 +116,37 @@ def test_other_bytes_miss_and_the_store_leaves_the_model_as_it_was(tmp_path: Pat
     model.hf_quantizer = "marker"  # what transformers' GGUF load sets; the store saves a copy without it
     stored(cache, gguf, tiny_load)
     assert model.hf_quantizer == "marker"
-    gguf.write_bytes(b"version 2")
+    gguf.write_bytes(b"version 2".ljust(64, b"\0"))
     assert cache.load(*cache.entry(gguf)) is None
     assert len(list(cache.root.iterdir())) == 1  # the other bytes' entry stays until it is least recently used
 
 
-@pytest.mark.parametrize("damage", ["weights", "manifest", "version", "no_manifest"])
+@pytest.mark.parametrize(
+    "damage", ["weights", "truncated", "missing_file", "manifest", "not_a_dict", "version", "table", "no_manifest"]
+)
 def test_an_entry_that_does_not_load_is_removed(
     tmp_path: Path, tiny_load: tuple[Any, Any], damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     cache = GGUFCache(tmp_path / "cache", GiB)
     gguf = fake_gguf(tmp_path, "m", b"gguf bytes")
     folder = stored(cache, gguf, tiny_load)
-    if damage == "weights":
-        (folder / "model.safetensors").write_bytes(b"\0" * 100)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    weights = folder / "model.safetensors"
+    if damage == "weights":  # the same size, other bytes
+        weights.write_bytes(b"\0" * weights.stat().st_size)
+    elif damage == "truncated":
+        os.truncate(weights, weights.stat().st_size // 2)
+    elif damage == "missing_file":
+        (folder / "chat_template.jinja").unlink()
     elif damage == "manifest":
         (folder / MANIFEST).write_text("{not json")
+    elif damage == "not_a_dict":
+        (folder / MANIFEST).write_text("[1, 2]")
     elif damage == "version":
-        manifest = json.loads((folder / MANIFEST).read_text())
         (folder / MANIFEST).write_text(json.dumps({**manifest, "transformers": "0.0.1"}))
+    elif damage == "table":  # a tensor past the end of the file
+        tensors = {name: {**t, "offset": 10**9} for name, t in manifest["tensors"].items()}
+        (folder / MANIFEST).write_text(json.dumps({**manifest, "tensors": tensors}))
     else:
         (folder / MANIFEST).unlink()
     with caplog.at_level(logging.WARNING, logger="streamkv.model.gguf_cache"):
@@ -142,6 +154,28 @@ def test_an_entry_that_does_not_load_is_removed(
     assert not folder.exists()
     assert "is not usable" in caplog.text
     stored(cache, gguf, tiny_load)  # the next load writes it again
+    assert cache.load(*cache.entry(gguf)) is not None
+
+
+def test_a_copy_of_the_file_elsewhere_hits(tmp_path: Path, tiny_load: tuple[Any, Any]) -> None:
+    cache = GGUFCache(tmp_path / "cache", GiB)
+    folder = stored(cache, fake_gguf(tmp_path, "m", b"the same bytes"), tiny_load)
+    (tmp_path / "elsewhere").mkdir()
+    copy = fake_gguf(tmp_path / "elsewhere", "renamed", b"the same bytes")
+    assert cache.entry(copy)[0] == folder and cache.load(*cache.entry(copy)) is not None
+
+
+def test_a_cache_this_user_cannot_write_still_serves(
+    tmp_path: Path, tiny_load: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = GGUFCache(tmp_path / "cache", GiB)
+    gguf = fake_gguf(tmp_path, "m", b"m")
+    stored(cache, gguf, tiny_load)
+
+    def read_only(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "utime", read_only)  # the last-use stamp cannot be written
     assert cache.load(*cache.entry(gguf)) is not None
 
 
