@@ -34,7 +34,15 @@ streamkv over the best peer of its precision at B=8/32/64 >= 1.2x, at B=1
 >= 1.0x, B=32 TTFT <= the best peer's, int8 B=1 >= OpenVINO int8; the
 int8-KV row is held to the same ratios against ``openvino-default`` alone.
 
+With ``--interleave`` every engine is loaded at once and they take turns:
+each repeat runs every workload once on every engine, in an order that
+rotates (``load_tests/interleave.py``). The k-th runs of all engines then
+fall within minutes of each other, so a ratio is not at the mercy of the
+host's drift between one engine's stretch and the next; the goals also
+print the ratio round by round.
+
     .venv/bin/python -m load_tests.bench_peers                          # everything, ~see docs/benchmarks.md
+    .venv/bin/python -m load_tests.bench_peers --interleave --engines streamkv-fp32 openvino-f32 vllm-fp32
     .venv/bin/python -m load_tests.bench_peers --quick --engines transformers streamkv-fp32
 """
 
@@ -56,7 +64,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from load_tests import peer_setup  # noqa: E402
+from load_tests import interleave, peer_setup  # noqa: E402
 from load_tests.common import goal, print_header, table, write_json  # noqa: E402
 
 RUNNER = Path(__file__).resolve().parent / "offline_runner.py"
@@ -147,8 +155,10 @@ def runner_command(v: Variant, args: argparse.Namespace) -> tuple[list[str], dic
     return [python, str(RUNNER)], env, extra
 
 
-def run_variant(v: Variant, args: argparse.Namespace, workloads: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
-    """Run one variant's subprocess (bounded by ``--engine-timeout``); return its result JSON."""
+def write_spec(
+    v: Variant, args: argparse.Namespace, workloads: list[dict[str, Any]], run_dir: Path
+) -> tuple[list[str], dict[str, str], Path]:
+    """Write a variant's spec file; return its runner command (without ``--spec``), environment and spec path."""
     cmd, env, extra = runner_command(v, args)
     max_len = max(len(p) + o for w in workloads for p, o in zip(w["prompts"], w["output_lens"], strict=True))
     spec = {
@@ -157,10 +167,18 @@ def run_variant(v: Variant, args: argparse.Namespace, workloads: list[dict[str, 
         "threads": args.threads, "repeats": args.repeats, "kv_cache_gib": args.kv_cache_gib,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "max_model_len": -(-max_len // 16) * 16, "hf_batch_size": args.hf_batch_size, "hf_model": str(args.hf_model),
+        "streamkv_model": str(args.model) if args.model is not None else None,
         "warmup": warmup_workload(args.vocab_size), "workloads": workloads, **extra,
     }  # fmt: skip
-    spec_path, out_path, log_path = (run_dir / f"{v.name}.{s}" for s in ("spec.json", "result.json", "log"))
+    spec_path = run_dir / f"{v.name}.spec.json"
     spec_path.write_text(json.dumps(spec))
+    return cmd, env, spec_path
+
+
+def run_variant(v: Variant, args: argparse.Namespace, workloads: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
+    """Run one variant's subprocess (bounded by ``--engine-timeout``); return its result JSON."""
+    cmd, env, spec_path = write_spec(v, args, workloads, run_dir)
+    out_path, log_path = (run_dir / f"{v.name}.{s}" for s in ("result.json", "log"))
     out_path.unlink(missing_ok=True)  # a result left by an earlier run must not stand in for this one
     print(f"--- {v.name}: {' '.join(cmd)} (log {log_path})", flush=True)
     t0 = time.perf_counter()
@@ -275,7 +293,11 @@ def check_goals(results: dict[str, dict[str, Any]], batches: list[int], at: int)
             if ours and theirs:
                 want = 1.0 if b == 1 else 1.2
                 r = ours / theirs
-                out.append(goal(f"{name} {key} output tok/s over {best}", r >= want, f"{r:.2f}x, goal >= {want}x"))
+                detail = f"{r:.2f}x, goal >= {want}x"
+                if results[name].get("interleaved"):
+                    paired = interleave.paired_ratios(results, name, peers, key)
+                    detail += f"; round by round, over the best peer of each round: {interleave.paired_summary(paired)}"
+                out.append(goal(f"{name} {key} output tok/s over {best}", r >= want, detail))
         key = f"B={at}"
         ttfts: dict[str, float] = {}
         for n in peers:
@@ -313,7 +335,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=32,
                    help="transformers' static batch for the mixed workload (uniform ones run as one batch)")
-    p.add_argument("--engine-timeout", type=float, default=7200.0, help="seconds one variant's subprocess may run")
+    p.add_argument("--engine-timeout", type=float, default=7200.0,
+                   help="seconds one variant's subprocess may run (with --interleave: its load, or one run)")
+    p.add_argument("--interleave", action="store_true",
+                   help="load every engine at once and take turns, one run each per round (load_tests/interleave.py)")
+    p.add_argument("--settle", type=float, default=1.0, help="with --interleave: seconds of rest before each run")
+    p.add_argument("--model", type=Path, default=None,
+                   help="an HF-format model folder for every engine (default: the GGUF's fp32 copy for the peers, "
+                   "the GGUF itself for streamkv)")
     p.add_argument("--cache-dir", type=Path, default=peer_setup.default_cache_dir(), help="peer venvs and models")
     p.add_argument("--torch-spec", default=peer_setup.DEFAULT_TORCH_SPEC, help="CPU torch of the OpenVINO venv")
     p.add_argument("--out", type=Path, default=None, help="write every figure and each engine's config to this JSON")
@@ -339,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     load_before = os.getloadavg()
     args.cache_dir.mkdir(parents=True, exist_ok=True)
-    args.hf_model = peer_setup.ensure_hf_model(args.cache_dir)
+    args.hf_model = args.model if args.model is not None else peer_setup.ensure_hf_model(args.cache_dir)
     args.vocab_size = json.loads((args.hf_model / "config.json").read_text())["vocab_size"]
     workloads = make_workloads(args, args.vocab_size)
     print(f"workloads: {', '.join(w['name'] for w in workloads)}; {args.prompt_len} in / {args.new_tokens} out; "
@@ -349,8 +378,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         run_dir = Path(tmp) if args.out is None else args.out.with_suffix(".runs")
         run_dir.mkdir(parents=True, exist_ok=True)
-        for name in args.engines:
-            results[name] = run_variant(VARIANTS[name], args, workloads, run_dir)
+        if args.interleave:
+            starts = {}
+            for name in args.engines:
+                cmd, env, spec_path = write_spec(VARIANTS[name], args, workloads, run_dir)
+                starts[name] = ([*cmd, "--spec", str(spec_path)], env)
+            ran = interleave.run_interleaved(starts, workloads, args.repeats, run_dir, args.engine_timeout,
+                                             args.settle)  # fmt: skip
+            for name, res in ran.items():
+                results[name] = {**res, "engine": VARIANTS[name].engine}
+        else:
+            for name in args.engines:
+                results[name] = run_variant(VARIANTS[name], args, workloads, run_dir)
     load_after = os.getloadavg()
     print()
     text, at = figures_table(results, args.batches)
@@ -362,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name}: {res.get('versions')} {res['config']} env {res.get('env')} load {res.get('load_s', 0):.0f} s"
             )
+        if "waiting_cpu_s" in res:
+            print(f"{name}: the waiting engines used at most {res['waiting_cpu_s']:.2f} CPU s during one of its runs")
     if args.out is not None:
         write_json(args.out, {**header, "args": {k: str(v) for k, v in vars(args).items()}, "results": results,
                               "medians": {n: medians(r) for n, r in results.items()}, "goals": goals,

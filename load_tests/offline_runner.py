@@ -16,6 +16,14 @@ the engine and each request's time to its first token. From those:
   token, over the time from then to the end (every sequence is decoding);
 - TTFT = submission to first token, per request.
 
+With ``--reply-fd N`` the runner is one of several engines that
+``bench_peers --interleave`` keeps loaded at once and takes turns between
+(see ``load_tests/interleave.py``): after the load and the warm-up it writes
+one JSON line to file descriptor ``N`` (``load_s``, ``versions``, ``config``;
+or ``unsupported`` / ``error``), then reads workload names from stdin, one a
+line, and answers each with one timed run's record (or an ``error``) as a
+JSON line on ``N``, until stdin closes.
+
     .venv/bin/python load_tests/offline_runner.py --spec spec.json --out result.json
 """
 
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -120,6 +129,14 @@ def load_spec(path: Path) -> tuple[dict[str, Any], list[Workload]]:
     return spec, workloads
 
 
+def warm_up(engine: Any, spec: dict[str, Any]) -> None:
+    """One untimed run of the spec's ``warmup`` workload, if it has one."""
+    if spec.get("warmup") is not None:
+        w = spec["warmup"]
+        warm = Workload("warmup", w["prompts"], w["output_lens"])
+        engine.generate(warm, EventLog(len(warm.prompts)))
+
+
 def run_all(engine: Any, spec: dict[str, Any], workloads: list[Workload]) -> list[WorkloadResult]:
     """Warm up once, then ``repeats`` timed runs of every workload, in order.
 
@@ -127,10 +144,7 @@ def run_all(engine: Any, spec: dict[str, Any], workloads: list[Workload]) -> lis
     ``log.start()`` right before the first submission, feed ``log.tokens``
     and return the output ids of every request.
     """
-    if spec.get("warmup") is not None:
-        w = spec["warmup"]
-        warm = Workload("warmup", w["prompts"], w["output_lens"])
-        engine.generate(warm, EventLog(len(warm.prompts)))
+    warm_up(engine, spec)
     results = []
     for wl in workloads:
         res = WorkloadResult(wl.name)
@@ -146,11 +160,39 @@ def run_all(engine: Any, spec: dict[str, Any], workloads: list[Workload]) -> lis
     return results
 
 
+def serve_commands(engine: Any, spec: dict[str, Any], workloads: list[Workload], reply: Any) -> None:
+    """The interleaved mode's loop: one timed run per workload name read from stdin, answered on ``reply``.
+
+    Each answer is ``{"workload", "run", "prompt0_output_ids"}``, or
+    ``{"workload", "error", "traceback"}`` after which the loop ends.
+    """
+    by_name = {w.name: w for w in workloads}
+    for line in sys.stdin:
+        name = line.strip()
+        if not name:
+            continue
+        try:
+            wl = by_name[name]
+            log = EventLog(len(wl.prompts))
+            outputs = engine.generate(wl, log)
+            answer: dict[str, Any] = {"workload": name, "run": asdict(log.record(wl)),
+                                      "prompt0_output_ids": list(outputs[0])}  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which stops asking this engine
+            answer = {"workload": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        reply.write(json.dumps(answer) + "\n")
+        reply.flush()
+        if "error" in answer:
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=None, help="the result file (the whole-spec mode)")
+    p.add_argument("--reply-fd", type=int, default=None, help="interleaved mode: answer on this file descriptor")
     args = p.parse_args(argv)
+    if (args.out is None) == (args.reply_fd is None):
+        p.error("give exactly one of --out and --reply-fd")
     spec, workloads = load_spec(args.spec)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     out: dict[str, Any] = {"engine": spec["engine"], "variant": spec.get("variant"), "python": sys.executable}
@@ -163,14 +205,25 @@ def main(argv: list[str] | None = None) -> int:
         out["load_s"] = time.perf_counter() - t0
         out["versions"] = engine.versions()
         out["config"] = engine.config()
-        out["workloads"] = [asdict(r) for r in run_all(engine, spec, workloads)]
+        if args.reply_fd is None:
+            out["workloads"] = [asdict(r) for r in run_all(engine, spec, workloads)]
+        else:
+            warm_up(engine, spec)
     except unsupported as e:
         out["unsupported"] = str(e)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which prints it
         out["error"] = f"{type(e).__name__}: {e}"
         out["traceback"] = traceback.format_exc()
-    args.out.write_text(json.dumps(out))
-    return 1 if "error" in out else 0
+    if args.reply_fd is None:
+        args.out.write_text(json.dumps(out))
+        return 1 if "error" in out else 0
+    with os.fdopen(args.reply_fd, "w") as reply:
+        reply.write(json.dumps(out) + "\n")
+        reply.flush()
+        if "error" in out or "unsupported" in out:
+            return 1 if "error" in out else 0
+        serve_commands(engine, spec, workloads, reply)
+    return 0
 
 
 class Unsupported(Exception):

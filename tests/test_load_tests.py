@@ -189,6 +189,64 @@ def test_bench_peers_table_agreement_and_goals(capsys: pytest.CaptureFixture[str
     assert "GOAL FAIL: streamkv-fp32 B=8 TTFT vs vllm-fp32" in capsys.readouterr().out
 
 
+def test_interleave_turn_order_rotates_every_engine_through_every_place() -> None:
+    from load_tests.interleave import turn_order
+
+    rounds = turn_order(["a", "b", "c"], ["B=1"], repeats=3)
+    assert [r for r, _, _ in rounds] == [0, 1, 2]
+    orders = [order for _, _, order in rounds]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    for place in range(3):  # each engine once in each place
+        assert sorted(o[place] for o in orders) == ["a", "b", "c"]
+    rounds = turn_order(["a", "b"], ["B=1", "B=8"], repeats=2)
+    assert [(r, w) for r, w, _ in rounds] == [(0, "B=1"), (0, "B=8"), (1, "B=1"), (1, "B=8")]
+    assert [o[0] for _, _, o in rounds] == ["a", "b", "a", "b"]  # each workload: a first once, b first once
+    assert turn_order([], ["B=1"], 1) == [(0, "B=1", [])]
+
+
+def test_interleave_paired_ratios_take_the_best_peer_of_each_round() -> None:
+    from load_tests.interleave import paired_ratios, paired_summary
+
+    def res(rates: list[float]) -> dict:
+        return {"workloads": [{"name": "B=8", "runs": [{"output_tokens": 100, "wall_s": 100 / v} for v in rates]}]}
+
+    results = {"ours": res([120.0, 90.0, 150.0]), "p1": res([100.0, 100.0, 100.0]), "p2": res([80.0, 45.0, 125.0])}
+    got = paired_ratios(results, "ours", ["p1", "p2"], "B=8")
+    assert got == pytest.approx([1.2, 0.9, 1.2])
+    assert paired_summary(got) == "1.20/0.90/1.20, median 1.20x"
+    assert paired_ratios(results, "ours", ["p1", "missing"], "B=8") == pytest.approx([1.2, 0.9, 1.5])
+    assert paired_ratios(results, "ours", ["missing"], "B=8") == [] and paired_summary([]) == "-"
+    assert paired_ratios(results, "ours", ["p1"], "B=1") == []
+
+
+def test_interleave_runs_real_runners_in_turn_and_reports_a_broken_one(tiny_model_dir: str, tmp_path: Path) -> None:
+    """Two transformers runners on the tiny model take turns; a third that cannot load is reported, not waited on."""
+    from load_tests.interleave import run_interleaved
+
+    workloads = [{"name": "B=2", "prompts": [[101, 102, 103, 104], [105, 106, 107]], "output_lens": [3, 2]},
+                 {"name": "B=1", "prompts": [[101, 102, 103, 104]], "output_lens": [4]}]  # fmt: skip
+    starts = {}
+    for name, model in (("a", tiny_model_dir), ("broken", str(tmp_path / "no-such-model")), ("b", tiny_model_dir)):
+        spec = {"engine": "transformers", "variant": name, "dtype": "float32", "threads": 1, "hf_model": model,
+                "hf_batch_size": 8, "warmup": workloads[1], "workloads": workloads}  # fmt: skip
+        path = tmp_path / f"{name}.spec.json"
+        path.write_text(json.dumps(spec))
+        starts[name] = ([sys.executable, str(REPO / "load_tests" / "offline_runner.py"), "--spec", str(path)], {})
+    results = run_interleaved(starts, workloads, repeats=2, run_dir=tmp_path, timeout=90, settle=0.0)
+    assert set(results) == {"a", "b", "broken"}
+    assert "error" in results["broken"] and "workloads" not in results["broken"]
+    for name in ("a", "b"):
+        res = results[name]
+        assert "error" not in res, res.get("error")
+        assert res["interleaved"] and res["versions"]["transformers"] and res["load_s"] > 0
+        assert [w["name"] for w in res["workloads"]] == ["B=2", "B=1"]
+        for w, want in zip(res["workloads"], (5, 4), strict=True):
+            assert len(w["runs"]) == 2 and all(r["output_tokens"] == want for r in w["runs"])
+        assert res["waiting_cpu_s"] < 1.0  # the other runner sat blocked on its stdin
+    assert results["a"]["workloads"][1]["prompt0_output_ids"] == results["b"]["workloads"][1]["prompt0_output_ids"]
+    assert len(results["a"]["workloads"][1]["prompt0_output_ids"]) == 4
+
+
 def test_bench_serve_command_and_result_parsing(tmp_path: Path) -> None:
     from load_tests import bench_serve, peer_setup
 
