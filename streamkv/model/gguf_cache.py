@@ -24,8 +24,9 @@ writing the same entry leaves that one. The manifest lists the entry's
 files and their sizes; an entry with a file missing or of another size, a
 tensor table that does not fit the file, or anything that fails to load is
 removed and the file parsed again. The cache is bounded in bytes
-(``--gguf-cache-space``): when an entry is written the least recently used
-go first, and an entry that would not fit is not written.
+(``--gguf-cache-space``): when an entry is written or read, the least
+recently used others go first, and an entry that would not fit is not
+written (one already there that no longer fits still serves).
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ class GGUFCache:
             return None
         try:
             os.utime(folder / MANIFEST)  # most recently used
+            # A lowered --gguf-cache-space takes effect now, not at the next new file: the others make room.
+            self._evict(self.max_bytes - entry_bytes(folder), keep=folder)
         except OSError:  # a cache others wrote and this user only reads: the entry serves all the same
             pass
         return model, tokenizer, table
@@ -214,7 +217,11 @@ class GGUFCache:
         Also removes temporary folders more than an hour old (a writer that was killed).
         """
         for tmp in self.root.glob(".*.tmp"):
-            if time.time() - tmp.stat().st_mtime > 3600:
+            try:
+                stale = time.time() - tmp.stat().st_mtime > 3600
+            except FileNotFoundError:  # its writer finished meanwhile
+                continue
+            if stale:
                 shutil.rmtree(tmp, ignore_errors=True)
         entries = [e for e in self._entries() if e[1] != keep]
         total = sum(size for _, _, size in entries)

@@ -194,6 +194,23 @@ def test_the_least_recently_used_entries_go_first(tmp_path: Path, tiny_load: tup
     assert cache.total_bytes() <= cache.max_bytes
 
 
+def test_a_lowered_bound_takes_effect_at_the_next_hit(tmp_path: Path, tiny_load: tuple[Any, Any]) -> None:
+    """Lowering --gguf-cache-space removes the least recently used others when a load hits, not at the next write."""
+    roomy = GGUFCache(tmp_path / "cache", GiB)
+    a, b, c = (fake_gguf(tmp_path, n, n.encode()) for n in "abc")
+    folders = [stored(roomy, f, tiny_load) for f in (a, b, c)]
+    for i, folder in enumerate(folders):
+        os.utime(folder / MANIFEST, (i + 1, i + 1))  # a is the least recently used, c the most
+    size = roomy.total_bytes() // 3
+    tight = GGUFCache(tmp_path / "cache", int(2.5 * size))  # the next start, with room for two
+    assert tight.load(*tight.entry(c)) is not None
+    assert [f.exists() for f in folders] == [False, True, True]
+    assert tight.total_bytes() <= tight.max_bytes
+    tiny = GGUFCache(tmp_path / "cache", size // 2)  # not even the hit fits: it still serves, the others go
+    assert tiny.load(*tiny.entry(b)) is not None
+    assert [f.exists() for f in folders] == [False, True, False]
+
+
 def test_an_entry_over_the_bound_is_not_written(
     tmp_path: Path, tiny_load: tuple[Any, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
