@@ -22,9 +22,14 @@ class PreemptionMode(enum.StrEnum):
     SWAP = "swap"  # copy the blocks to the host tier; swapped back in later
 
 
+def cache_root() -> Path:
+    """``~/.cache/streamkv``: the C++ ops' build folders and the GGUF cache live under it."""
+    return Path.home() / ".cache" / "streamkv"
+
+
 def default_gguf_cache_dir() -> str:
     """``~/.cache/streamkv/gguf``, beside the C++ ops' build folders."""
-    return str(Path.home() / ".cache" / "streamkv" / "gguf")
+    return str(cache_root() / "gguf")
 
 
 @dataclass(frozen=True, slots=True)

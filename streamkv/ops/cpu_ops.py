@@ -44,6 +44,8 @@ from types import ModuleType
 
 import torch
 
+from streamkv.config import cache_root
+
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "streamkv_cpu_ops"
@@ -64,7 +66,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 def build_directory() -> Path:
     """Where the compiled extension lives: one folder per torch version (the ABI it links against)."""
-    return Path.home() / ".cache" / "streamkv" / "torch_extensions" / torch.__version__.replace("+", "_")
+    return cache_root() / "torch_extensions" / torch.__version__.replace("+", "_")
 
 
 @functools.cache
