@@ -4,7 +4,11 @@ The served figures of issues #11 and #13. The client is vLLM's own
 ``vllm bench serve`` (from the vLLM CPU venv that ``load_tests/peer_setup.py``
 builds; nobody here wrote it), with ``--backend openai --endpoint
 /v1/completions``, the served model name and the HF-format tokenizer folder.
-The servers run one after the other on 127.0.0.1, never together:
+By default the servers run one after the other on 127.0.0.1, never
+together; with ``--interleave`` both stay up and take turns cell by cell
+(the order rotating from one cell to the next, ``--settle`` seconds of rest
+before each), so each ratio is taken within minutes on a host whose speed
+drifts:
 
 - ``streamkv serve`` (this checkout, the default GGUF de-quantized to fp32,
   or ``--dtype``) with ``--served-model-name``, ``--threads`` and a KV pool of
@@ -32,6 +36,7 @@ environment, and the load average before and after.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -57,6 +62,7 @@ from load_tests.common import (  # noqa: E402
     table,
     write_json,
 )
+from load_tests.interleave import group_cpu_seconds  # noqa: E402
 
 METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
            "p99_itl_ms")  # fmt: skip
@@ -80,6 +86,11 @@ class Server:
     stop_timeout_s: float = 30.0
     cwd: Path = REPO_ROOT
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        """The server's process (and process group) id; -1 before it starts."""
+        return -1 if self.proc is None else self.proc.pid
 
     @property
     def base_url(self) -> str:
@@ -269,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=1800.0,
                    help="seconds a server may take to answer /v1/models (vLLM compiles at its first start)")
     p.add_argument("--cell-timeout", type=float, default=1800.0, help="seconds one vllm bench serve may run")
+    p.add_argument("--interleave", action="store_true",
+                   help="both servers up at once, taking turns cell by cell (the order rotates)")  # fmt: skip
+    p.add_argument("--settle", type=float, default=2.0, help="with --interleave: seconds of rest before each cell")
     p.add_argument("--cache-dir", type=Path, default=peer_setup.default_cache_dir(), help="peer venvs and models")
     p.add_argument("--out", type=Path, default=None, help="write every figure, command and environment to this JSON")
     return p
@@ -300,24 +314,52 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, dict[str, Any]] = {}
     out_dir = Path(tempfile.mkdtemp(prefix="bench-serve-")) if args.out is None else args.out.with_suffix(".runs")
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in args.servers:
-        srv = streamkv_server(args, out_dir) if name == "streamkv" else vllm_server(args, venv, hf, out_dir)
+    made = {name: streamkv_server(args, out_dir) if name == "streamkv" else vllm_server(args, venv, hf, out_dir)
+            for name in args.servers}  # fmt: skip
+    for name, srv in made.items():
         srv.start_timeout_s = args.start_timeout
         servers[name] = {"command": shlex.join(srv.cmd), "env": srv.env, "cwd": str(srv.cwd), "log": str(srv.log_path)}
-        try:
-            with srv:
-                for key in cells:
-                    dataset, c = key.rsplit(":", 1)
-                    r = run_cell(args, venv, hf, srv, dataset, int(c), out_dir)
-                    cells[key][name] = r
-                    status = r.get("error", "").splitlines()[0] if "error" in r else (
-                        f"{r['output_throughput']:.1f} output tok/s, {r['completed']} completed, {r['failed']} failed")
-                    print(f"  {name} {dataset} C={c}: {status}", flush=True)
-        except RuntimeError as e:  # the server did not come up (or lacks /v1): its cells are skipped
-            print(f"  {name}: {e}", flush=True)
-            servers[name]["skipped"] = str(e)
-            for key in cells:
-                cells[key].setdefault(name, {"skipped": str(e)})
+
+    def run(name: str, key: str, waiting: Sequence[str] = ()) -> None:
+        dataset, c = key.rsplit(":", 1)
+        before = {o: group_cpu_seconds(made[o].pid) for o in waiting}
+        r = run_cell(args, venv, hf, made[name], dataset, int(c), out_dir)
+        if waiting:  # an idle server that burns the cores would skew the other's figures: show it
+            r["waiting_cpu_s"] = max(group_cpu_seconds(made[o].pid) - before[o] for o in waiting)
+        cells[key][name] = r
+        status = r.get("error", "").splitlines()[0] if "error" in r else (
+            f"{r['output_throughput']:.1f} output tok/s, {r['completed']} completed, {r['failed']} failed")
+        if waiting:
+            status += f"; the waiting server used {r['waiting_cpu_s']:.2f} CPU s"
+        print(f"  {name} {dataset} C={c}: {status}", flush=True)
+
+    def skip(name: str, e: RuntimeError) -> None:  # the server did not come up (or lacks /v1): its cells are skipped
+        print(f"  {name}: {e}", flush=True)
+        servers[name]["skipped"] = str(e)
+        for key in cells:
+            cells[key].setdefault(name, {"skipped": str(e)})
+
+    if args.interleave:
+        with contextlib.ExitStack() as stack:
+            up = []
+            for name, srv in made.items():
+                try:
+                    stack.enter_context(srv)
+                    up.append(name)
+                except RuntimeError as e:
+                    skip(name, e)
+            for i, key in enumerate(cells):
+                for name in [*up[i % max(len(up), 1):], *up[: i % max(len(up), 1)]]:
+                    time.sleep(args.settle)
+                    run(name, key, waiting=[o for o in up if o != name])
+    else:
+        for name, srv in made.items():
+            try:
+                with srv:
+                    for key in cells:
+                        run(name, key)
+            except RuntimeError as e:
+                skip(name, e)
     load_after = os.getloadavg()
     print()
     print(table(["dataset", "C", "server", *HEADERS], figures_rows(cells, args.servers)))
