@@ -32,6 +32,7 @@ from streamkv.model.chat import ChatFormatter
 from streamkv.model.loader import LoadedModel
 from streamkv.outputs import RequestOutput, RequestSink
 from streamkv.sampling_params import SamplingParams
+from streamkv.thread_governor import ThreadGovernor
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -224,8 +225,28 @@ class AsyncEngine:
 
     # --------------------------------------------------------- engine thread
 
+    def _governor(self) -> ThreadGovernor | None:
+        """The engine thread's thread governor (``EngineConfig.adaptive_threads``), built on that thread."""
+        import torch
+
+        metrics = self.core.metrics
+        if not self.config.adaptive_threads:
+            if metrics is not None:
+                metrics.observe_threads(torch.get_num_threads(), dropped=False)
+            return None
+
+        def on_change(threads: int) -> None:
+            if metrics is not None:
+                metrics.observe_threads(threads, dropped=threads < governor.threads)
+
+        governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads, on_change=on_change)
+        if metrics is not None:
+            metrics.observe_threads(governor.threads, dropped=False)
+        return governor
+
     def _run(self) -> None:
         core = self.core
+        governor = self._governor()
         try:
             while not self._stopping.is_set():
                 if not core.has_work():
@@ -240,6 +261,8 @@ class AsyncEngine:
                         break
                 if core.has_work():
                     core.step()
+                    if governor is not None:
+                        governor.after_step()
         except BaseException as exc:  # noqa: BLE001 - report to every waiter, then die loudly
             logger.exception("engine thread crashed")
             self.error = exc

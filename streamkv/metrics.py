@@ -140,6 +140,17 @@ class EngineMetrics:
             "Times the engine ran steps with work queued but no token computed and no request finished.",
             registry=r,
         )
+        self.engine_threads = Gauge(
+            "streamkv_engine_threads",
+            "torch threads the engine thread runs its steps on now (fewer than --threads while other work competes "
+            "for the cores; streamkv/thread_governor.py).",
+            registry=r,
+        )
+        self.engine_thread_drops = Counter(
+            "streamkv_engine_thread_drops",
+            "Times the engine dropped to one torch thread because its thread waited for a core.",
+            registry=r,
+        )
         self.errors = Counter("streamkv_errors", "Error frames sent to clients, by code.", ["code"], registry=r)
         for code in KNOWN_ERROR_CODES:
             self.errors.labels(code=code)
@@ -229,6 +240,12 @@ class EngineMetrics:
     def observe_stall(self) -> None:
         """Count one stall declared by the engine's watchdog (see :mod:`streamkv.watchdog`)."""
         self.engine_stalls.inc()
+
+    def observe_threads(self, threads: int, dropped: bool) -> None:
+        """The engine thread's torch threads now; ``dropped``: a drop to one (see :mod:`streamkv.thread_governor`)."""
+        self.engine_threads.set(threads)
+        if dropped:
+            self.engine_thread_drops.inc()
 
     def observe_loop_lag(self, lag_s: float) -> None:
         if _finite(lag_s):

@@ -228,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch CPU threads for the engine; fewer than the cores leaves room for other processes "
         "(default: torch's, one per core)",
     )
+    serve.add_argument(
+        "--no-adaptive-threads",
+        dest="adaptive_threads",
+        action="store_false",
+        help="keep every torch thread even while other work competes for the cores (by default the engine "
+        "drops to one thread then, and returns to all once the cores are free; streamkv_engine_threads)",
+    )
     add_offload_args(serve, parse_bytes)
     add_onednn_cache_args(serve)
     from streamkv.server.ray_app import add_ray_args
@@ -290,6 +297,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
             max_model_len=args.max_model_len,
             preemption_mode=args.preemption_mode,
         ),
+        adaptive_threads=args.adaptive_threads,
     )
     api_key = args.api_key if args.api_key is not None else os.environ.get("STREAMKV_API_KEY") or None
     server = ServerConfig(

@@ -1,0 +1,157 @@
+"""One torch thread while other work competes for the cores; all of them again once the cores are free.
+
+torch's OpenMP runtime (libgomp) has every thread of a parallel region spin
+at its barrier until the others arrive; a decode step runs hundreds of
+regions. When another busy process shares the cores, one of the engine's
+threads is often off its core, and the others spin through their time
+slices waiting for it. On the 2-core hosts here (docs/benchmarks.md, round
+26), with one busy single-thread process in another session, the offline
+engine at 2 threads fell from 90 to 0.8 output tok/s at B=1 and from 257 to
+6.4 at B=8; at one thread, or with ``OMP_WAIT_POLICY=passive``, it kept
+46-53 and ~148. OpenVINO GenAI (TBB) kept 17 of its ~28, vLLM CPU 7 of ~20.
+Passive waiting costs 18-30% on a quiet host, so the engine keeps spinning
+threads and instead drops to one thread while it sees contention:
+
+- **Contention:** the engine thread's run-queue wait (``/proc/thread-self/
+  schedstat``: nanoseconds runnable but not running) over its on-CPU plus
+  wait time, per window of ``period_s``. At or above ``drop_share`` with at
+  least ``min_busy_s`` of both, the governor sets one thread.
+- **Free cores again:** at one thread, once ``hold_s`` has passed, a window
+  in which the machine's idle CPUs (``/proc/stat``: idle + iowait) reach
+  ``restore_idle`` of the cores the other threads would use brings every
+  thread back. A drop within two windows of a restore doubles ``hold_s``
+  (up to ``max_hold_s``); a restore that lasts resets it.
+
+The engine's results do not depend on its thread count: every kernel splits
+work so that a row's sums run in one order (tests/test_small_linear.py,
+tests/attention/test_cpu_paged.py), and tests/test_thread_governor.py checks
+greedy output across a change of threads mid-generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_schedstat() -> tuple[float, float]:
+    """``(on-CPU seconds, run-queue wait seconds)`` of the calling thread (``/proc/thread-self/schedstat``).
+
+    Raises:
+        OSError: the kernel does not expose it.
+    """
+    with open("/proc/thread-self/schedstat") as f:
+        on_cpu, wait, _ = f.read().split()
+    return int(on_cpu) / 1e9, int(wait) / 1e9
+
+
+def idle_cpu_seconds() -> float:
+    """Idle + iowait seconds of all CPUs since boot (``/proc/stat``, the ``cpu`` line).
+
+    Raises:
+        OSError: ``/proc/stat`` cannot be read.
+    """
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return (int(fields[4]) + int(fields[5])) / CLK_TCK
+
+
+@dataclass
+class _Window:
+    t: float
+    on_cpu: float
+    wait: float
+    idle: float
+
+
+class ThreadGovernor:
+    """Sets torch's thread count between ``threads`` and 1 from what the cores are doing; call :meth:`after_step`.
+
+    Args:
+        threads: the configured thread count (at 1 the governor does nothing).
+        set_threads: applies a thread count (``torch.set_num_threads``).
+        period_s: seconds of a measuring window.
+        drop_share: run-queue wait over (on-CPU + wait) of the engine thread at which it drops to one thread.
+        min_busy_s: on-CPU + wait seconds a window needs before its share counts.
+        restore_idle: idle CPUs, as a fraction of ``threads - 1``, that bring the threads back.
+        hold_s: seconds at one thread before a restore is tried (doubles after a quick drop, up to ``max_hold_s``).
+        clock, schedstat, idle_seconds: the readings (tests pass their own).
+        on_change: called with the new thread count after each change (a gauge).
+    """
+
+    def __init__(
+        self,
+        threads: int,
+        set_threads: Callable[[int], None],
+        *,
+        period_s: float = 0.5,
+        drop_share: float = 0.3,
+        min_busy_s: float = 0.2,
+        restore_idle: float = 0.6,
+        hold_s: float = 2.0,
+        max_hold_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        schedstat: Callable[[], tuple[float, float]] = thread_schedstat,
+        idle_seconds: Callable[[], float] = idle_cpu_seconds,
+        on_change: Callable[[int], None] | None = None,
+    ) -> None:
+        self.threads = self.current = threads
+        self.set_threads = set_threads
+        self.period_s, self.drop_share, self.min_busy_s = period_s, drop_share, min_busy_s
+        self.restore_idle, self.base_hold_s, self.max_hold_s = restore_idle, hold_s, max_hold_s
+        self.hold_s = hold_s
+        self.clock, self.schedstat, self.idle_seconds = clock, schedstat, idle_seconds
+        self.on_change = on_change
+        self.drops = 0
+        self.enabled = threads > 1
+        self._window: _Window | None = None
+        self._changed_at = 0.0
+        self._restored_at: float | None = None
+
+    def _read(self) -> _Window:
+        on_cpu, wait = self.schedstat()
+        return _Window(self.clock(), on_cpu, wait, self.idle_seconds())
+
+    def after_step(self) -> None:
+        """Take a window's reading when one is due, and change the thread count if it says so."""
+        if not self.enabled:
+            return
+        if self._window is None:
+            try:
+                self._window = self._read()
+            except OSError as e:  # no schedstat (CONFIG_SCHED_INFO off) or no /proc: keep every thread
+                logger.info("thread governor off: %s", e)
+                self.enabled = False
+            return
+        now = self.clock()
+        if now - self._window.t < self.period_s:
+            return
+        w, self._window = self._window, self._read()
+        busy = (self._window.on_cpu - w.on_cpu) + (self._window.wait - w.wait)
+        if self.current == self.threads:
+            share = (self._window.wait - w.wait) / busy if busy > 0 else 0.0
+            if busy >= self.min_busy_s and share >= self.drop_share:
+                quick = self._restored_at is not None and now - self._restored_at <= 2 * self.period_s
+                self.hold_s = min(2 * self.hold_s, self.max_hold_s) if quick else self.base_hold_s
+                self._change(1, now, f"the engine thread waited for a core {share:.0%} of its busy time")
+        elif now - self._changed_at >= self.hold_s:
+            idle_cpus = (self._window.idle - w.idle) / (now - w.t)
+            if idle_cpus >= self.restore_idle * (self.threads - 1):
+                self._restored_at = now
+                self._change(self.threads, now, f"{idle_cpus:.2f} CPUs idle")
+
+    def _change(self, threads: int, now: float, why: str) -> None:
+        self.set_threads(threads)
+        if threads < self.current:
+            self.drops += 1
+        logger.info("engine threads %d -> %d: %s", self.current, threads, why)
+        self.current, self._changed_at = threads, now
+        if self.on_change is not None:
+            self.on_change(threads)

@@ -1,0 +1,193 @@
+"""The thread governor: one torch thread while the engine thread waits for a core, every thread once cores are free."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from functools import partial
+
+import pytest
+import torch
+
+import streamkv.engine as engine_module
+from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from streamkv.metrics import EngineMetrics
+from streamkv.model.loader import LoadedModel
+from streamkv.sampling_params import SamplingParams
+from streamkv.thread_governor import ThreadGovernor, idle_cpu_seconds, thread_schedstat
+
+
+class Host:
+    """What the governor reads, driven by the test: a clock, the engine thread's schedstat and the idle CPUs."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.on_cpu = self.wait = self.idle = 0.0
+        self.set: list[int] = []
+
+    def advance(self, seconds: float, *, waiting: float = 0.0, idle_cpus: float = 0.0) -> None:
+        """``seconds`` of steps in which the engine thread waited ``waiting`` of its busy time for a core."""
+        self.t += seconds
+        self.on_cpu += seconds * (1 - waiting)
+        self.wait += seconds * waiting
+        self.idle += seconds * idle_cpus
+
+    def governor(self, threads: int = 2, **kwargs: float) -> ThreadGovernor:
+        g = ThreadGovernor(threads, self.set.append, clock=lambda: self.t, schedstat=lambda: (self.on_cpu, self.wait),
+                           idle_seconds=lambda: self.idle, **kwargs)  # fmt: skip
+        g.after_step()  # the first call takes the baseline
+        return g
+
+
+def test_it_drops_to_one_thread_when_the_engine_thread_waits_for_a_core() -> None:
+    host = Host()
+    g = host.governor()
+    host.advance(0.4, waiting=0.9)
+    g.after_step()
+    assert host.set == [] and g.current == 2  # the window (0.5 s) is not over
+    host.advance(0.2, waiting=0.9)
+    g.after_step()
+    assert host.set == [1] and g.current == 1 and g.drops == 1
+
+
+def test_it_keeps_every_thread_on_a_quiet_host_or_with_too_little_busy_time() -> None:
+    host = Host()
+    g = host.governor()
+    for _ in range(10):
+        host.advance(0.6, waiting=0.1)  # a little waiting (the server's own event loop)
+        g.after_step()
+    host.t += 0.6  # a window of mostly idle time: 0.05 s busy, all of it waiting
+    host.wait += 0.05
+    g.after_step()
+    assert host.set == [] and g.current == 2 and g.drops == 0
+
+
+def test_it_restores_every_thread_once_the_cores_are_free_after_the_hold() -> None:
+    host = Host()
+    g = host.governor()
+    host.advance(0.6, waiting=0.5)
+    g.after_step()
+    assert g.current == 1
+    for _ in range(3):  # 1.8 s: the cores are free, but the hold (2 s) is not over
+        host.advance(0.6, idle_cpus=1.0)
+        g.after_step()
+    assert g.current == 1
+    host.advance(0.6, idle_cpus=0.3)  # past the hold, but the other process still takes the second core
+    g.after_step()
+    assert g.current == 1
+    host.advance(0.6, idle_cpus=0.9)
+    g.after_step()
+    assert host.set == [1, 2] and g.current == 2
+
+
+def test_a_quick_drop_after_a_restore_doubles_the_hold_and_a_lasting_restore_resets_it() -> None:
+    host = Host()
+    g = host.governor(max_hold_s=6.0)
+
+    def drop_then_restore(waited_before_restore: float) -> None:
+        host.advance(0.6, waiting=0.5)
+        g.after_step()
+        assert g.current == 1
+        host.advance(waited_before_restore, idle_cpus=1.0)
+        g.after_step()
+        assert g.current == 2
+
+    drop_then_restore(2.0)
+    assert g.hold_s == 2.0
+    drop_then_restore(4.0)  # dropped again in the first window after the restore: the hold doubles
+    assert g.hold_s == 4.0
+    drop_then_restore(6.0)
+    assert g.hold_s == 6.0  # capped at max_hold_s
+    for _ in range(5):  # a restore that lasts
+        host.advance(0.6)
+        g.after_step()
+    host.advance(0.6, waiting=0.5)
+    g.after_step()
+    assert g.current == 1 and g.hold_s == 2.0 and g.drops == 4
+
+
+def test_one_thread_or_no_schedstat_turns_it_off(caplog: pytest.LogCaptureFixture) -> None:
+    host = Host()
+    g = host.governor(threads=1)
+    host.advance(1.0, waiting=0.9)
+    g.after_step()
+    assert not g.enabled and host.set == []
+
+    def no_schedstat() -> tuple[float, float]:
+        raise FileNotFoundError(2, "No such file or directory", "/proc/thread-self/schedstat")
+
+    g = ThreadGovernor(2, host.set.append, schedstat=no_schedstat)
+    with caplog.at_level(logging.INFO, logger="streamkv.thread_governor"):
+        g.after_step()
+        g.after_step()
+    assert not g.enabled and host.set == [] and "thread governor off" in caplog.text
+
+
+def test_the_readings_come_from_proc() -> None:
+    on_cpu, wait = thread_schedstat()
+    t = time.thread_time()
+    while time.thread_time() - t < 0.05:  # 50 ms on the CPU
+        pass
+    later, later_wait = thread_schedstat()
+    assert later - on_cpu >= 0.04 and later_wait >= wait >= 0
+    assert idle_cpu_seconds() > 0
+
+
+def test_the_served_engine_gives_the_same_tokens_across_a_drop_and_reports_it(
+    tiny_model_dir: str, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drop to one thread in the middle of generation changes no token; the gauge and the counter show it."""
+    host = Host()
+    threads_seen: list[int] = []
+
+    def set_threads(n: int) -> None:
+        threads_seen.append(n)
+        torch.set_num_threads(n)
+
+    def waits_always() -> tuple[float, float]:  # every reading: 10 ms more, 9 of them waiting
+        host.on_cpu += 0.001
+        host.wait += 0.009
+        return host.on_cpu, host.wait
+
+    forced = partial(ThreadGovernor, period_s=0.0, min_busy_s=0.0, hold_s=1e9, schedstat=waits_always)
+    monkeypatch.setattr(engine_module, "ThreadGovernor", lambda threads, _set, **kw: forced(threads, set_threads, **kw))
+    config = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir, device="cpu"),
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(max_model_len=256),
+    )
+    prompts = [[101 + i, 202, 303 + 7 * i, 404] * (3 + i) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def run(adaptive: bool) -> tuple[list[list[int]], EngineMetrics]:
+        metrics = EngineMetrics()
+        engine = engine_module.AsyncEngine(
+            EngineConfig(config.model, config.cache, config.scheduler, adaptive_threads=adaptive), metrics, loaded=tiny
+        )
+        await engine.start()
+        try:
+
+            async def one(prompt: list[int]) -> list[int]:
+                out: list[int] = []
+                async for o in engine.generate(prompt, params):
+                    out.extend(t for d in o.deltas for t in d.token_ids)
+                return out
+
+            return list(await asyncio.gather(*(one(p) for p in prompts))), metrics
+        finally:
+            await engine.shutdown()
+
+    threads = torch.get_num_threads()
+    try:
+        fixed, fixed_metrics = asyncio.run(run(adaptive=False))
+        governed, metrics = asyncio.run(run(adaptive=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert fixed == governed and all(len(t) == 24 for t in fixed)
+    if threads > 1:
+        assert threads_seen == [1]
+        assert metrics.registry.get_sample_value("streamkv_engine_threads") == 1
+        assert metrics.registry.get_sample_value("streamkv_engine_thread_drops_total") == 1
+    assert fixed_metrics.registry.get_sample_value("streamkv_engine_thread_drops_total") == 0
+    assert fixed_metrics.registry.get_sample_value("streamkv_engine_threads") == threads
