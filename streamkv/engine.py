@@ -134,6 +134,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
+        import torch
+
+        # read here, on the caller's thread: a governor's torch.set_num_threads on the engine thread also sets the
+        # count that threads started later begin with, so the engine thread sets this one back when it ends
+        self._threads = torch.get_num_threads()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -229,27 +234,31 @@ class AsyncEngine:
         """The engine thread's thread governor (``EngineConfig.adaptive_threads``), built on that thread."""
         import torch
 
+        torch.set_num_threads(self._threads)  # this thread starts at the configured count, whatever ran before
         metrics = self.core.metrics
         if not self.config.adaptive_threads:
             if metrics is not None:
-                metrics.observe_threads(torch.get_num_threads(), dropped=False)
+                metrics.observe_threads(self._threads, dropped=False)
             return None
 
         def on_change(threads: int) -> None:
             if metrics is not None:
                 metrics.observe_threads(threads, dropped=threads < governor.threads)
 
-        governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads, on_change=on_change)
+        governor = ThreadGovernor(self._threads, torch.set_num_threads, on_change=on_change)
         if metrics is not None:
             metrics.observe_threads(governor.threads, dropped=False)
         return governor
 
     def _run(self) -> None:
         core = self.core
-        governor = self._governor()
+        governor: ThreadGovernor | None = None
         try:
+            governor = self._governor()
             while not self._stopping.is_set():
                 if not core.has_work():
+                    if governor is not None:
+                        governor.pause()
                     try:
                         self._handle(self._commands.get(timeout=_IDLE_WAIT_S))
                     except queue.Empty:
@@ -260,6 +269,8 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                 if core.has_work():
+                    if governor is not None:
+                        governor.resume()
                     core.step()
                     if governor is not None:
                         governor.after_step()
@@ -272,6 +283,10 @@ class AsyncEngine:
             for rid in list(core.requests):
                 core.abort(rid)
             core.close()
+            if governor is not None and governor.current != governor.threads:
+                import torch
+
+                torch.set_num_threads(governor.threads)  # not 1 for the threads this process starts later
 
     def _handle(self, command: EngineCommand) -> None:
         core = self.core

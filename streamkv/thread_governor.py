@@ -17,10 +17,16 @@ threads and instead drops to one thread while it sees contention:
   wait time, per window of ``period_s``. At or above ``drop_share`` with at
   least ``min_busy_s`` of both, the governor sets one thread.
 - **Free cores again:** at one thread, once ``hold_s`` has passed, a window
-  in which the machine's idle CPUs (``/proc/stat``: idle + iowait) reach
+  of steps (the engine thread busy at least ``restore_busy`` of it) in which
+  the machine's idle CPUs (``/proc/stat``: idle + iowait) reach
   ``restore_idle`` of the cores the other threads would use brings every
-  thread back. A drop within two windows of a restore doubles ``hold_s``
-  (up to ``max_hold_s``); a restore that lasts resets it.
+  thread back. A drop in the first window after a restore doubles
+  ``hold_s`` (up to ``max_hold_s``); a restore that lasts resets it.
+- **Idle gaps:** the engine calls :meth:`ThreadGovernor.pause` when it runs
+  out of work and :meth:`ThreadGovernor.resume` before its next step, so a
+  window counts only the time spent stepping, however short the requests.
+- **Failures:** a reading that fails turns the governor off and gives back
+  every thread; it never raises into the engine thread.
 
 The engine's results do not depend on its thread count: every kernel splits
 work so that a row's sums run in one order (tests/test_small_linear.py,
@@ -53,14 +59,25 @@ def thread_schedstat() -> tuple[float, float]:
 
 
 def idle_cpu_seconds() -> float:
-    """Idle + iowait seconds of all CPUs since boot (``/proc/stat``, the ``cpu`` line).
+    """Idle + iowait seconds since boot of the CPUs this process may run on (``/proc/stat``'s ``cpuN`` lines).
+
+    Only the CPUs of ``os.sched_getaffinity``: under a cpuset the host's other CPUs would always look idle.
 
     Raises:
         OSError: ``/proc/stat`` cannot be read.
+        ValueError: it has no line for any of those CPUs.
     """
+    mine = {f"cpu{n}" for n in os.sched_getaffinity(0)}
+    total, seen = 0, False
     with open("/proc/stat") as f:
-        fields = f.readline().split()
-    return (int(fields[4]) + int(fields[5])) / CLK_TCK
+        for line in f:
+            fields = line.split()
+            if fields and fields[0] in mine:
+                total += int(fields[4]) + int(fields[5])
+                seen = True
+    if not seen:
+        raise ValueError("/proc/stat has no line for this process's CPUs")
+    return total / CLK_TCK
 
 
 @dataclass
@@ -81,6 +98,8 @@ class ThreadGovernor:
         drop_share: run-queue wait over (on-CPU + wait) of the engine thread at which it drops to one thread.
         min_busy_s: on-CPU + wait seconds a window needs before its share counts.
         restore_idle: idle CPUs, as a fraction of ``threads - 1``, that bring the threads back.
+        restore_busy: share of a window the engine thread must be busy (on a CPU or waiting for one) for the
+            window to bring the threads back.
         hold_s: seconds at one thread before a restore is tried (doubles after a quick drop, up to ``max_hold_s``).
         clock, schedstat, idle_seconds: the readings (tests pass their own).
         on_change: called with the new thread count after each change (a gauge).
@@ -95,6 +114,7 @@ class ThreadGovernor:
         drop_share: float = 0.3,
         min_busy_s: float = 0.2,
         restore_idle: float = 0.6,
+        restore_busy: float = 0.5,
         hold_s: float = 2.0,
         max_hold_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
@@ -105,7 +125,8 @@ class ThreadGovernor:
         self.threads = self.current = threads
         self.set_threads = set_threads
         self.period_s, self.drop_share, self.min_busy_s = period_s, drop_share, min_busy_s
-        self.restore_idle, self.base_hold_s, self.max_hold_s = restore_idle, hold_s, max_hold_s
+        self.restore_idle, self.restore_busy = restore_idle, restore_busy
+        self.base_hold_s, self.max_hold_s = hold_s, max_hold_s
         self.hold_s = hold_s
         self.clock, self.schedstat, self.idle_seconds = clock, schedstat, idle_seconds
         self.on_change = on_change
@@ -113,22 +134,54 @@ class ThreadGovernor:
         self.enabled = threads > 1
         self._window: _Window | None = None
         self._changed_at = 0.0
-        self._restored_at: float | None = None
+        self._just_restored = False  # the next judged window is the first since a restore
+        self._paused: tuple[float, float] | None = None  # (clock, idle CPU seconds) when the engine went idle
 
     def _read(self) -> _Window:
         on_cpu, wait = self.schedstat()
         return _Window(self.clock(), on_cpu, wait, self.idle_seconds())
 
+    def pause(self) -> None:
+        """The engine has no work: the time until :meth:`resume` stays out of the current window."""
+        if self.enabled and self._window is not None and self._paused is None:
+            try:
+                self._paused = (self.clock(), self.idle_seconds())
+            except Exception as e:  # noqa: BLE001 - see after_step
+                self._off(e)
+
+    def resume(self) -> None:
+        """The engine steps again (call before the step): the window skips the idle gap."""
+        if self._paused is None or self._window is None:
+            return
+        (t, idle), self._paused = self._paused, None
+        try:
+            self._window.t += self.clock() - t
+            self._window.idle += self.idle_seconds() - idle
+        except Exception as e:  # noqa: BLE001 - see after_step
+            self._off(e)
+
     def after_step(self) -> None:
-        """Take a window's reading when one is due, and change the thread count if it says so."""
+        """Take a window's reading when one is due, and change the thread count if it says so.
+
+        Never raises: a reading that fails (no schedstat, a full file table) turns the governor off
+        and gives back every thread.
+        """
         if not self.enabled:
             return
+        try:
+            self._after_step()
+        except Exception as e:  # noqa: BLE001 - the engine thread must not die of a /proc reading
+            self._off(e)
+
+    def _off(self, error: BaseException) -> None:
+        logger.warning("thread governor off: %s", error)
+        self.enabled = False
+        if self.current != self.threads:
+            self._change(self.threads, self.clock(), "the governor is off")
+
+    def _after_step(self) -> None:
         if self._window is None:
-            try:
-                self._window = self._read()
-            except OSError as e:  # no schedstat (CONFIG_SCHED_INFO off) or no /proc: keep every thread
-                logger.info("thread governor off: %s", e)
-                self.enabled = False
+            self._window = self._read()
             return
         now = self.clock()
         if now - self._window.t < self.period_s:
@@ -137,14 +190,17 @@ class ThreadGovernor:
         busy = (self._window.on_cpu - w.on_cpu) + (self._window.wait - w.wait)
         if self.current == self.threads:
             share = (self._window.wait - w.wait) / busy if busy > 0 else 0.0
+            # a drop in the first window after a restore (however long its steps) doubles the hold
+            quick, self._just_restored = self._just_restored, False
             if busy >= self.min_busy_s and share >= self.drop_share:
-                quick = self._restored_at is not None and now - self._restored_at <= 2 * self.period_s
                 self.hold_s = min(2 * self.hold_s, self.max_hold_s) if quick else self.base_hold_s
                 self._change(1, now, f"the engine thread waited for a core {share:.0%} of its busy time")
-        elif now - self._changed_at >= self.hold_s:
+        elif now - self._changed_at >= self.hold_s and busy >= self.restore_busy * (now - w.t):
+            # only a window of steps says what the other process does while the engine computes: after the
+            # engine sat idle, the idle CPUs of that gap would bring the threads back beside a busy process
             idle_cpus = (self._window.idle - w.idle) / (now - w.t)
             if idle_cpus >= self.restore_idle * (self.threads - 1):
-                self._restored_at = now
+                self._just_restored = True
                 self._change(self.threads, now, f"{idle_cpus:.2f} CPUs idle")
 
     def _change(self, threads: int, now: float, why: str) -> None:

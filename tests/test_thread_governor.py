@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from functools import partial
 
@@ -81,6 +82,25 @@ def test_it_restores_every_thread_once_the_cores_are_free_after_the_hold() -> No
     assert host.set == [1, 2] and g.current == 2
 
 
+def test_an_idle_engine_does_not_bring_the_threads_back_beside_a_busy_process() -> None:
+    """After the engine sat idle, that gap's idle CPUs say nothing of the other process: only a window of steps does."""
+    host = Host()
+    g = host.governor()
+    host.advance(0.6, waiting=0.5)
+    g.after_step()
+    assert g.current == 1
+    host.t += 30.0  # no requests for 30 s: the busy process holds one core, the other is idle
+    host.idle += 30.0
+    g.after_step()
+    assert g.current == 1
+    host.advance(0.6, idle_cpus=0.05)  # steps again: both cores busy
+    g.after_step()
+    assert g.current == 1
+    host.advance(0.6, idle_cpus=0.9)  # the other process has gone
+    g.after_step()
+    assert g.current == 2 and host.set == [1, 2]
+
+
 def test_a_quick_drop_after_a_restore_doubles_the_hold_and_a_lasting_restore_resets_it() -> None:
     host = Host()
     g = host.governor(max_hold_s=6.0)
@@ -105,6 +125,64 @@ def test_a_quick_drop_after_a_restore_doubles_the_hold_and_a_lasting_restore_res
     host.advance(0.6, waiting=0.5)
     g.after_step()
     assert g.current == 1 and g.hold_s == 2.0 and g.drops == 4
+
+
+def test_a_drop_right_after_a_restore_doubles_the_hold_even_when_steps_outlast_the_window() -> None:
+    """Beside a busy process a two-thread step can take longer than a window: the re-drop must still count as quick."""
+    host = Host()
+    g = host.governor()
+    holds = []
+    for _ in range(3):
+        host.advance(1.3, waiting=0.6)  # one collapsed step, longer than the 0.5 s window
+        g.after_step()
+        assert g.current == 1
+        holds.append(g.hold_s)
+        host.advance(g.hold_s + 0.1, idle_cpus=1.0)
+        g.after_step()
+        assert g.current == 2
+    assert holds == [2.0, 4.0, 8.0]
+
+
+def test_short_requests_with_idle_gaps_still_fill_windows_of_steps() -> None:
+    """Requests shorter than a window, seconds apart: paused gaps stay out, so the threads come back on free cores."""
+    host = Host()
+    g = host.governor()
+    host.advance(0.6, waiting=0.5)
+    g.after_step()
+    assert g.current == 1
+    for _ in range(20):
+        g.pause()
+        host.t += 3.0  # idle between requests, the cores free
+        host.idle += 6.0
+        g.resume()
+        for _ in range(4):  # a 0.4 s request of 0.1 s steps, one core idle
+            host.advance(0.1, idle_cpus=1.0)
+            g.after_step()
+    assert g.current == 2 and host.set == [1, 2]
+
+
+@pytest.mark.parametrize("error", [OSError(24, "Too many open files"), ValueError("odd /proc/stat")])
+def test_a_reading_that_fails_later_turns_it_off_and_gives_back_the_threads(
+    error: Exception, caplog: pytest.LogCaptureFixture
+) -> None:
+    host = Host()
+    g = host.governor()
+    host.advance(0.6, waiting=0.5)
+    g.after_step()
+    assert g.current == 1
+
+    def broken() -> tuple[float, float]:
+        raise error
+
+    g.schedstat = broken
+    host.advance(3.0, idle_cpus=1.0)
+    with caplog.at_level(logging.WARNING, logger="streamkv.thread_governor"):
+        g.after_step()  # must not raise into the engine thread
+    assert not g.enabled and g.current == 2 and host.set == [1, 2] and "thread governor off" in caplog.text
+    g.after_step()
+    g.pause()
+    g.resume()
+    assert host.set == [1, 2]
 
 
 def test_one_thread_or_no_schedstat_turns_it_off(caplog: pytest.LogCaptureFixture) -> None:
@@ -182,6 +260,12 @@ def test_the_served_engine_gives_the_same_tokens_across_a_drop_and_reports_it(
     try:
         fixed, fixed_metrics = asyncio.run(run(adaptive=False))
         governed, metrics = asyncio.run(run(adaptive=True))
+        # the engine thread ended at one thread: threads started later must not begin at one
+        later: list[int] = []
+        probe = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        probe.start()
+        probe.join()
+        assert later == [threads]
     finally:
         torch.set_num_threads(threads)
     assert fixed == governed and all(len(t) == 24 for t in fixed)
