@@ -12,8 +12,8 @@ machine:
 - every engine's ``offline_runner --reply-fd`` loads and warms up first,
   one after another, and then waits;
 - for each repeat and each workload, every engine runs once; the order
-  rotates by one place for each (repeat, workload), so no engine is always
-  first after a pause or always right after a given peer;
+  rotates by one place from repeat to repeat (and starts one place further
+  for each workload), so no engine is always first after a pause;
 - ``--settle`` seconds pass between two runs, so the last engine's OpenMP
   threads stop spinning before the next one starts;
 - the waiting engines' CPU time during each run is read from ``/proc`` and
@@ -44,15 +44,16 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 def turn_order(engines: Sequence[str], workloads: Sequence[str], repeats: int) -> list[tuple[int, str, list[str]]]:
     """``(repeat, workload, engines in running order)`` for every round.
 
-    The order rotates by one place for each (repeat, workload) step, so with
-    as many repeats as engines each engine runs in each place once per
-    workload.
+    The order rotates by one place from one repeat to the next, and starts
+    one place further for each workload; with as many repeats as engines,
+    each engine runs in each place once per workload. (Who follows whom
+    within a round does not change.)
     """
     n = len(engines)
     out = []
     for r in range(repeats):
         for w, name in enumerate(workloads):
-            k = (r * len(workloads) + w) % n if n else 0
+            k = (r + w) % n if n else 0  # over the repeats of one workload, k takes every value
             out.append((r, name, [*engines[k:], *engines[:k]]))
     return out
 
@@ -83,6 +84,7 @@ class Runner:
     log_path: Path
     result: dict[str, Any] = field(default_factory=dict)
     buffer: bytes = b""
+    stopped: bool = False
 
     @classmethod
     def start(cls, name: str, cmd: list[str], env: dict[str, str], log_path: Path) -> Runner:
@@ -118,9 +120,17 @@ class Runner:
         return json.loads(line)
 
     def ask(self, workload: str, timeout: float) -> dict[str, Any]:
+        """One timed run of ``workload``.
+
+        Raises:
+            RuntimeError: as :meth:`answer`, or the runner's stdin is closed (it died).
+        """
         assert self.proc.stdin is not None
-        self.proc.stdin.write(workload + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(workload + "\n")
+            self.proc.stdin.flush()
+        except OSError as e:  # BrokenPipeError: the runner is gone (killed for memory, say)
+            raise RuntimeError(f"cannot send it a run ({e}; exit code {self.proc.poll()})") from e
         return self.answer(timeout)
 
     def log_tail(self, lines: int = 20) -> str:
@@ -133,6 +143,9 @@ class Runner:
                 self.proc.stdin.close()
             except OSError:
                 pass
+        if self.stopped:
+            return
+        self.stopped = True
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -141,13 +154,18 @@ class Runner:
             os.killpg(self.proc.pid, signal.SIGKILL)  # vLLM's engine core may outlive the runner
         except ProcessLookupError:
             pass
-        self.proc.wait(30)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:  # unkillable: leave it, but stop the others all the same
+            pass
         os.close(self.replies)
 
 
 def fail(runner: Runner, error: Exception | str) -> None:
+    """Record the error and stop the runner, so it does not compute through the other engines' turns."""
     runner.result["error"] = f"{runner.name}: {error}\n{runner.log_tail()}"
     print(f"  ERROR {runner.result['error']}", flush=True)
+    runner.stop()
 
 
 def run_interleaved(
@@ -228,7 +246,11 @@ def run_interleaved(
 
 
 def paired_ratios(results: dict[str, dict[str, Any]], ours: str, peers: Sequence[str], workload: str) -> list[float]:
-    """Per repeat, ``ours``' output tok/s over the best of ``peers`` in the same round (empty if any is missing)."""
+    """Per repeat, ``ours``' output tok/s over the best of ``peers`` in the same round.
+
+    Peers without runs of ``workload`` (failed, or not run) are left out; empty when ``ours`` or every peer has none.
+    A peer that failed mid-run counts only in the rounds it finished.
+    """
 
     def rates(name: str) -> list[float]:
         res = results.get(name, {})
@@ -236,10 +258,10 @@ def paired_ratios(results: dict[str, dict[str, Any]], ours: str, peers: Sequence
         return [r["output_tokens"] / r["wall_s"] for r in w["runs"]] if w else []
 
     mine = rates(ours)
-    theirs = [rates(p) for p in peers]
-    theirs = [t for t in theirs if t]
-    n = min([len(mine), *(len(t) for t in theirs)]) if theirs else 0
-    return [mine[i] / max(t[i] for t in theirs) for i in range(n)]
+    theirs = [t for t in (rates(p) for p in peers) if t]
+    if not theirs:
+        return []
+    return [mine[i] / max(t[i] for t in theirs if i < len(t)) for i in range(min(len(mine), max(map(len, theirs))))]
 
 
 def paired_summary(ratios: list[float]) -> str:

@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reply_fd is None:
         args.out.write_text(json.dumps(out))
         return 1 if "error" in out else 0
+    os.set_inheritable(args.reply_fd, False)  # not into the engine's own children (vLLM's engine core)
     with os.fdopen(args.reply_fd, "w") as reply:
         reply.write(json.dumps(out) + "\n")
         reply.flush()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import shlex
 import shutil
@@ -282,13 +283,20 @@ def ensure_hf_model(cache: Path) -> Path:
 
 
 def ensure_openvino_ir(cache: Path, ov: OpenVinoVenv, hf_folder: Path, weight_format: str = "fp32") -> Path:
-    """``optimum-cli export openvino --weight-format <weight_format>`` of ``hf_folder``, once."""
-    out = cache / f"openvino-ir-{weight_format}"
+    """``optimum-cli export openvino --weight-format <weight_format>`` of ``hf_folder``, once.
+
+    The default model's IR is ``openvino-ir-<weight_format>``; another folder's (``bench_peers --model``)
+    carries a digest of its resolved path, so it never stands in for the default one or the reverse.
+    """
+    name = f"openvino-ir-{weight_format}"
+    if hf_folder.resolve() != (cache / HF_FOLDER_NAME).resolve():
+        name += "-" + hashlib.sha256(str(hf_folder.resolve()).encode()).hexdigest()[:12]
+    out = cache / name
     with Step(f"OpenVINO IR {out}") as step:
         if (out / "openvino_model.xml").is_file():
             step.cached()
             return out
-        tmp = cache / f".openvino-ir-{weight_format}.tmp"
+        tmp = cache / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         cmd = [str(ov.optimum_cli), "export", "openvino", "--model", str(hf_folder),
                "--task", "text-generation-with-past", "--weight-format", weight_format, str(tmp)]  # fmt: skip

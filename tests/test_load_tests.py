@@ -200,7 +200,13 @@ def test_interleave_turn_order_rotates_every_engine_through_every_place() -> Non
         assert sorted(o[place] for o in orders) == ["a", "b", "c"]
     rounds = turn_order(["a", "b"], ["B=1", "B=8"], repeats=2)
     assert [(r, w) for r, w, _ in rounds] == [(0, "B=1"), (0, "B=8"), (1, "B=1"), (1, "B=8")]
-    assert [o[0] for _, _, o in rounds] == ["a", "b", "a", "b"]  # each workload: a first once, b first once
+    assert [o[0] for _, _, o in rounds] == ["a", "b", "b", "a"]  # each workload: a first once, b first once
+    for engines, workloads in ((["a", "b", "c"], ["B=1", "B=8", "B=32"]), (["a", "b"], ["B=1", "B=8", "B=32", "B=64"])):
+        rounds = turn_order(engines, workloads, repeats=len(engines))
+        for w in workloads:  # whatever the numbers of workloads and engines: each engine once in each place
+            orders = [o for _, name, o in rounds if name == w]
+            for place in range(len(engines)):
+                assert sorted(o[place] for o in orders) == engines, (engines, workloads, w)
     assert turn_order([], ["B=1"], 1) == [(0, "B=1", [])]
 
 
@@ -215,6 +221,8 @@ def test_interleave_paired_ratios_take_the_best_peer_of_each_round() -> None:
     assert got == pytest.approx([1.2, 0.9, 1.2])
     assert paired_summary(got) == "1.20/0.90/1.20, median 1.20x"
     assert paired_ratios(results, "ours", ["p1", "missing"], "B=8") == pytest.approx([1.2, 0.9, 1.5])
+    results["p2"]["workloads"][0]["runs"].pop()  # p2 failed in the third round: that round is p1's alone
+    assert paired_ratios(results, "ours", ["p1", "p2"], "B=8") == pytest.approx([1.2, 0.9, 1.5])
     assert paired_ratios(results, "ours", ["missing"], "B=8") == [] and paired_summary([]) == "-"
     assert paired_ratios(results, "ours", ["p1"], "B=1") == []
 
