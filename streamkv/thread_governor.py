@@ -111,7 +111,7 @@ class ThreadGovernor:
         set_threads: Callable[[int], None],
         *,
         period_s: float = 0.5,
-        drop_share: float = 0.3,
+        drop_share: float = 0.2,
         min_busy_s: float = 0.2,
         restore_idle: float = 0.6,
         restore_busy: float = 0.5,
@@ -192,6 +192,7 @@ class ThreadGovernor:
             share = (self._window.wait - w.wait) / busy if busy > 0 else 0.0
             # a drop in the first window after a restore (however long its steps) doubles the hold
             quick, self._just_restored = self._just_restored, False
+            logger.debug("thread governor: run-queue wait %.0f%% of %.2f s busy", 100 * share, busy)
             if busy >= self.min_busy_s and share >= self.drop_share:
                 self.hold_s = min(2 * self.hold_s, self.max_hold_s) if quick else self.base_hold_s
                 self._change(1, now, f"the engine thread waited for a core {share:.0%} of its busy time")
