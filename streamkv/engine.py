@@ -24,6 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 from streamkv.config import EngineConfig
 from streamkv.engine_core import EngineCore
 from streamkv.errors import EngineError, ErrorCode
@@ -134,8 +136,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
-        import torch
-
         # read here, on the caller's thread: a governor's torch.set_num_threads on the engine thread also sets the
         # count that threads started later begin with, so the engine thread sets this one back when it ends
         self._threads = torch.get_num_threads()
@@ -232,8 +232,6 @@ class AsyncEngine:
 
     def _governor(self) -> ThreadGovernor | None:
         """The engine thread's thread governor (``EngineConfig.adaptive_threads``), built on that thread."""
-        import torch
-
         torch.set_num_threads(self._threads)  # this thread starts at the configured count, whatever ran before
         metrics = self.core.metrics
         if not self.config.adaptive_threads:
@@ -284,8 +282,6 @@ class AsyncEngine:
                 core.abort(rid)
             core.close()
             if governor is not None and governor.current != governor.threads:
-                import torch
-
                 torch.set_num_threads(governor.threads)  # not 1 for the threads this process starts later
 
     def _handle(self, command: EngineCommand) -> None:
