@@ -62,7 +62,7 @@ from load_tests.common import (  # noqa: E402
     table,
     write_json,
 )
-from load_tests.interleave import group_cpu_seconds  # noqa: E402
+from load_tests.interleave import group_cpu_seconds, rotated  # noqa: E402
 
 METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
            "p99_itl_ms")  # fmt: skip
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 except RuntimeError as e:
                     skip(name, e)
             for i, key in enumerate(cells):
-                for name in [*up[i % max(len(up), 1):], *up[: i % max(len(up), 1)]]:
+                for name in rotated(up, i):
                     time.sleep(args.settle)
                     run(name, key, waiting=[o for o in up if o != name])
     else:

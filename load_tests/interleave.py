@@ -41,6 +41,12 @@ from typing import Any
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+def rotated(items: Sequence[str], k: int) -> list[str]:
+    """``items`` rotated left by ``k`` places (modulo their number): the order of one round."""
+    k = k % len(items) if items else 0
+    return [*items[k:], *items[:k]]
+
+
 def turn_order(engines: Sequence[str], workloads: Sequence[str], repeats: int) -> list[tuple[int, str, list[str]]]:
     """``(repeat, workload, engines in running order)`` for every round.
 
@@ -49,12 +55,10 @@ def turn_order(engines: Sequence[str], workloads: Sequence[str], repeats: int) -
     each engine runs in each place once per workload. (Who follows whom
     within a round does not change.)
     """
-    n = len(engines)
     out = []
     for r in range(repeats):
         for w, name in enumerate(workloads):
-            k = (r + w) % n if n else 0  # over the repeats of one workload, k takes every value
-            out.append((r, name, [*engines[k:], *engines[:k]]))
+            out.append((r, name, rotated(engines, r + w)))  # over one workload's repeats, every rotation
     return out
 
 
