@@ -188,8 +188,9 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # the served engine thread drops to one torch thread while other work competes for the cores
-    # (streamkv/thread_governor.py; --no-adaptive-threads turns it off)
+    # the thread that steps the engine (the served engine thread, or LLM.generate's caller) drops to one torch
+    # thread while other work competes for the cores (streamkv/thread_governor.py; --no-adaptive-threads turns it
+    # off, as does LLM(adaptive_threads=False))
     adaptive_threads: bool = True
 
 

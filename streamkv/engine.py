@@ -233,20 +233,7 @@ class AsyncEngine:
     def _governor(self) -> ThreadGovernor | None:
         """The engine thread's thread governor (``EngineConfig.adaptive_threads``), built on that thread."""
         torch.set_num_threads(self._threads)  # this thread starts at the configured count, whatever ran before
-        metrics = self.core.metrics
-        if not self.config.adaptive_threads:
-            if metrics is not None:
-                metrics.observe_threads(self._threads, dropped=False)
-            return None
-
-        def on_change(threads: int) -> None:
-            if metrics is not None:
-                metrics.observe_threads(threads, dropped=threads < governor.threads)
-
-        governor = ThreadGovernor(self._threads, torch.set_num_threads, on_change=on_change)
-        if metrics is not None:
-            metrics.observe_threads(governor.threads, dropped=False)
-        return governor
+        return self.core.thread_governor(self._threads)
 
     def _run(self) -> None:
         core = self.core
@@ -281,8 +268,8 @@ class AsyncEngine:
             for rid in list(core.requests):
                 core.abort(rid)
             core.close()
-            if governor is not None and governor.current != governor.threads:
-                torch.set_num_threads(governor.threads)  # not 1 for the threads this process starts later
+            if governor is not None:
+                governor.release()  # not 1 for the threads this process starts later
 
     def _handle(self, command: EngineCommand) -> None:
         core = self.core

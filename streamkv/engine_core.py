@@ -40,6 +40,7 @@ from streamkv.sched.output import SchedulerOutput
 from streamkv.sched.request import Request, SeqStatus, Sequence
 from streamkv.sched.scheduler import Scheduler
 from streamkv.stats import EngineStats, snapshot_json
+from streamkv.thread_governor import ThreadGovernor
 from streamkv.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -293,6 +294,33 @@ class EngineCore:
         self._observe_progress(out.num_batched_tokens)
         self.publish_stats()
         return True
+
+    def thread_governor(self, threads: int) -> ThreadGovernor | None:
+        """A governor of the calling thread's torch threads (``EngineConfig.adaptive_threads``), or ``None`` when off.
+
+        Build it on the thread that steps the engine (its readings are that
+        thread's schedstat), call its ``after_step`` after each :meth:`step`,
+        and its ``release`` when the stepping ends (``torch.set_num_threads``
+        also sets the count that threads started later begin with). The
+        ``streamkv_engine_threads`` gauge and the drops counter follow it.
+
+        Args:
+            threads: the configured torch thread count, restored when cores are free.
+        """
+        metrics = self.metrics
+        if not self.config.adaptive_threads:
+            if metrics is not None:
+                metrics.observe_threads(threads, dropped=False)
+            return None
+
+        def on_change(current: int) -> None:
+            if metrics is not None:
+                metrics.observe_threads(current, dropped=current < threads)
+
+        governor = ThreadGovernor(threads, torch.set_num_threads, on_change=on_change)
+        if metrics is not None:
+            metrics.observe_threads(threads, dropped=False)
+        return governor
 
     def _observe_progress(self, num_computed_tokens: int) -> None:
         """Feed the watchdog (a stall is logged once and counted)."""

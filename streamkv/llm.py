@@ -7,6 +7,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.engine_core import EngineCore
 from streamkv.errors import EngineError
@@ -18,6 +20,7 @@ from streamkv.sampling_params import EarlyStopping, SamplingParams
 _MODEL_KEYS = set(ModelConfig.__dataclass_fields__)
 _CACHE_KEYS = set(CacheConfig.__dataclass_fields__)
 _SCHED_KEYS = set(SchedulerConfig.__dataclass_fields__)
+_ENGINE_KEYS = {"adaptive_threads"}
 
 
 class LLM:
@@ -29,7 +32,10 @@ class LLM:
         loaded: an already loaded model to share (tests).
         metrics: optional metrics observer.
         **options: any field of ModelConfig, CacheConfig or SchedulerConfig
-            (``device="cpu"``, ``num_blocks=64``, ``max_num_batched_tokens=16`` ...).
+            (``device="cpu"``, ``num_blocks=64``, ``max_num_batched_tokens=16`` ...),
+            and ``adaptive_threads`` (default True: while :meth:`generate` runs,
+            the calling thread drops to one torch thread when it waits for a
+            core, as the served engine does; :mod:`streamkv.thread_governor`).
 
     Raises:
         TypeError: an unknown option.
@@ -45,7 +51,7 @@ class LLM:
         **options: Any,
     ) -> None:
         if config is None:
-            unknown = set(options) - _MODEL_KEYS - _CACHE_KEYS - _SCHED_KEYS
+            unknown = set(options) - _MODEL_KEYS - _CACHE_KEYS - _SCHED_KEYS - _ENGINE_KEYS
             if unknown:
                 raise TypeError(f"unknown LLM options: {sorted(unknown)}")
 
@@ -56,6 +62,7 @@ class LLM:
                 model=ModelConfig(model=model, **pick(_MODEL_KEYS - {"model"})),
                 cache=CacheConfig(**pick(_CACHE_KEYS)),
                 scheduler=SchedulerConfig(**pick(_SCHED_KEYS)),
+                **pick(_ENGINE_KEYS),
             )
         elif options or model is not None:
             raise TypeError("pass either config or keyword options, not both")
@@ -98,9 +105,25 @@ class LLM:
             res = CompletedRequest(rid, prompt, [CompletionOutput(i) for i in range(p.n)])
             results[rid] = res
             self.core.add_request(rid, prompt, p, functools.partial(_collect, res), sid)
-        while self.core.has_work():
-            self.core.step()
+        self._run_to_completion()
         return [results[rid] for rid in order]
+
+    def _run_to_completion(self) -> None:
+        """Step until every request is done, under a thread governor of this thread (see ``adaptive_threads``).
+
+        The torch thread count is this thread's count at the call, and is set
+        back on the way out (also when a step raises).
+        """
+        threads = torch.get_num_threads()
+        governor = self.core.thread_governor(threads)
+        try:
+            while self.core.has_work():
+                self.core.step()
+                if governor is not None:
+                    governor.after_step()
+        finally:
+            if governor is not None:
+                governor.release()
 
     def beam_search(
         self,

@@ -160,6 +160,12 @@ class ThreadGovernor:
         except Exception as e:  # noqa: BLE001 - see after_step
             self._off(e)
 
+    def release(self) -> None:
+        """The stepping ends: give back every thread, since ``torch.set_num_threads`` also sets the count that
+        threads started later begin with (and the gauge follows)."""
+        if self.current != self.threads:
+            self._change(self.threads, self.clock(), "the engine stopped stepping")
+
     def after_step(self) -> None:
         """Take a window's reading when one is due, and change the thread count if it says so.
 

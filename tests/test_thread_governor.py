@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import streamkv.engine as engine_module
+import streamkv.engine_core as engine_core_module
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.metrics import EngineMetrics
 from streamkv.model.loader import LoadedModel
@@ -212,10 +214,9 @@ def test_the_readings_come_from_proc() -> None:
     assert idle_cpu_seconds() > 0
 
 
-def test_the_served_engine_gives_the_same_tokens_across_a_drop_and_reports_it(
-    tiny_model_dir: str, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A drop to one thread in the middle of generation changes no token; the gauge and the counter show it."""
+def force_a_drop_at_every_step(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the engine's governors see the engine thread waiting 90% of its time at every step (so they drop
+    once, and hold); returns the list of the thread counts they set, in order."""
     host = Host()
     threads_seen: list[int] = []
 
@@ -229,7 +230,15 @@ def test_the_served_engine_gives_the_same_tokens_across_a_drop_and_reports_it(
         return host.on_cpu, host.wait
 
     forced = partial(ThreadGovernor, period_s=0.0, min_busy_s=0.0, hold_s=1e9, schedstat=waits_always)
-    monkeypatch.setattr(engine_module, "ThreadGovernor", lambda threads, _set, **kw: forced(threads, set_threads, **kw))
+    monkeypatch.setattr(engine_core_module, "ThreadGovernor", lambda n, _set, **kw: forced(n, set_threads, **kw))
+    return threads_seen
+
+
+def test_the_served_engine_gives_the_same_tokens_across_a_drop_and_reports_it(
+    tiny_model_dir: str, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drop to one thread in the middle of generation changes no token; the gauge and the counter show it."""
+    threads_seen = force_a_drop_at_every_step(monkeypatch)
     config = EngineConfig(
         model=ModelConfig(model=tiny_model_dir, device="cpu"),
         cache=CacheConfig(num_blocks=64),
@@ -270,8 +279,45 @@ def test_the_served_engine_gives_the_same_tokens_across_a_drop_and_reports_it(
         torch.set_num_threads(threads)
     assert fixed == governed and all(len(t) == 24 for t in fixed)
     if threads > 1:
-        assert threads_seen == [1]
-        assert metrics.registry.get_sample_value("streamkv_engine_threads") == 1
+        assert threads_seen == [1, threads]  # the drop, then every thread given back as the engine thread ends
+        assert metrics.registry.get_sample_value("streamkv_engine_threads") == threads
         assert metrics.registry.get_sample_value("streamkv_engine_thread_drops_total") == 1
     assert fixed_metrics.registry.get_sample_value("streamkv_engine_thread_drops_total") == 0
     assert fixed_metrics.registry.get_sample_value("streamkv_engine_threads") == threads
+
+
+def test_offline_generate_gives_the_same_tokens_across_a_drop_and_sets_the_threads_back(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``LLM.generate`` steps under a governor of the caller's thread: a drop changes no token, the gauge and the
+    counter show it, and the caller's thread count is back when generate returns (also after a failed step)."""
+    from streamkv.llm import LLM
+
+    threads_seen = force_a_drop_at_every_step(monkeypatch)
+    prompts = [[101 + i, 202, 303 + 7 * i, 404] * (3 + i) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("needs 2 torch threads")
+    fixed = LLM(loaded=tiny, device="cpu", num_blocks=64, max_model_len=256, adaptive_threads=False)
+    fixed_tokens = [r.outputs[0].token_ids for r in fixed.generate(prompts, params)]
+    assert threads_seen == [] and torch.get_num_threads() == threads
+    metrics = EngineMetrics()
+    governed = LLM(loaded=tiny, device="cpu", num_blocks=64, max_model_len=256, metrics=metrics)
+    governed_tokens = [r.outputs[0].token_ids for r in governed.generate(prompts, params)]
+    assert governed_tokens == fixed_tokens and all(len(t) == 24 for t in fixed_tokens)
+    assert threads_seen == [1, threads] and torch.get_num_threads() == threads
+    assert metrics.registry.get_sample_value("streamkv_engine_thread_drops_total") == 1
+    assert metrics.registry.get_sample_value("streamkv_engine_threads") == threads  # given back at the end
+
+    real_step, calls = governed.core.step, itertools.count()
+
+    def step_then_fail() -> bool:  # two steps run (a baseline, then a drop), the third raises
+        if next(calls) < 2:
+            return real_step()
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(governed.core, "step", step_then_fail)
+    with pytest.raises(RuntimeError, match="step failed"):
+        governed.generate(prompts[:1], params)
+    assert threads_seen == [1, threads, 1, threads] and torch.get_num_threads() == threads
