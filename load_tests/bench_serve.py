@@ -26,8 +26,11 @@ tokens among ``--num-prefixes`` prefixes, ``--suffix-len`` own tokens,
 --prompts-per-concurrency x C)`` prompts, greedy (``--temperature 0``),
 ``--ignore-eos``, all sent at once under ``--max-concurrency C``. The figures
 come from the ``--save-result`` JSON: output tok/s, mean and p99 TTFT, TPOT
-and ITL; then the ratios streamkv / vLLM, the exact server commands and
-environment, and the load average before and after.
+and ITL; then the ratios streamkv / vLLM, the cells in which streamkv's
+thread governor dropped to one torch thread (``streamkv_engine_thread_drops_total``
+read before and after each cell: another process competed for the cores),
+the exact server commands and environment, and the load average before and
+after.
 
     .venv/bin/python -m load_tests.bench_serve                       # both servers, both datasets, C = 1 8 32
     .venv/bin/python -m load_tests.bench_serve --servers vllm --quick  # smoke run
@@ -58,6 +61,7 @@ from load_tests.common import (  # noqa: E402
     REPO_ROOT,
     free_port,
     http_get_json,
+    metric_value,
     print_header,
     table,
     write_json,
@@ -215,6 +219,18 @@ def run_cell(
     return parse_result(json.loads(path.read_text())) | {"command": shlex.join(cmd), "wall_s": wall}
 
 
+def thread_drops(server: Server) -> float | None:
+    """A streamkv server's ``streamkv_engine_thread_drops_total`` (its thread governor's drops to one torch
+    thread), or ``None`` for another server or an unreadable ``/metrics``: a cell whose figures moved with a drop
+    should say so."""
+    if server.name != "streamkv":
+        return None
+    try:
+        return metric_value(server.base_url, "streamkv_engine_thread_drops_total")
+    except (OSError, ValueError):
+        return None
+
+
 def parse_result(res: dict[str, Any]) -> dict[str, Any]:
     """The figures of one ``--save-result`` JSON (``None`` for a metric it lacks); ``failed`` requests counted."""
     out: dict[str, Any] = {k: res.get(k) for k in METRICS}
@@ -323,14 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     def run(name: str, key: str, waiting: Sequence[str] = ()) -> None:
         dataset, c = key.rsplit(":", 1)
         before = {o: group_cpu_seconds(made[o].pid) for o in waiting}
+        drops = thread_drops(made[name])
         r = run_cell(args, venv, hf, made[name], dataset, int(c), out_dir)
         if waiting:  # an idle server that burns the cores would skew the other's figures: show it
             r["waiting_cpu_s"] = max(group_cpu_seconds(made[o].pid) - before[o] for o in waiting)
+        if drops is not None and (after := thread_drops(made[name])) is not None:
+            r["thread_drops"] = after - drops  # the thread governor's drops to one thread during this cell
         cells[key][name] = r
         status = r.get("error", "").splitlines()[0] if "error" in r else (
             f"{r['output_throughput']:.1f} output tok/s, {r['completed']} completed, {r['failed']} failed")
         if waiting:
             status += f"; the waiting server used {r['waiting_cpu_s']:.2f} CPU s"
+        if "thread_drops" in r:
+            status += f"; {r['thread_drops']:.0f} drops to one torch thread"
         print(f"  {name} {dataset} C={c}: {status}", flush=True)
 
     def skip(name: str, e: RuntimeError) -> None:  # the server did not come up (or lacks /v1): its cells are skipped
@@ -363,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     print()
     print(table(["dataset", "C", "server", *HEADERS], figures_rows(cells, args.servers)))
+    dropped = {k: v["streamkv"]["thread_drops"] for k, v in cells.items() if v.get("streamkv", {}).get("thread_drops")}
+    if dropped:  # its figures there ran partly on one torch thread: another process competed for the cores
+        print("\nstreamkv's thread governor dropped to one torch thread in: "
+              + ", ".join(f"{k} ({n:.0f}x)" for k, n in dropped.items()))  # fmt: skip
     print(f"\nload average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     for name, s in servers.items():
         print(f"{name}: {' '.join(f'{k}={v}' for k, v in s['env'].items())} {s['command']} (in {s['cwd']})")

@@ -228,6 +228,20 @@ def http_get_json(url: str, timeout: float = 5.0) -> Any:
         return json.loads(resp.read())
 
 
+def metric_value(http_url: str, sample: str, timeout: float = 5.0) -> float | None:
+    """The value of the unlabelled sample ``sample`` (e.g. ``streamkv_engine_thread_drops_total``) on a server's
+    ``/metrics``, or ``None`` when it has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(http_url + "/metrics", timeout=timeout) as resp:  # noqa: S310 - our loopback server
+        text = resp.read().decode()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == sample and not s.labels:
+                return float(s.value)
+    return None
+
+
 class SpawnedServer:
     """``python -m streamkv serve`` on 127.0.0.1 and a free port, for the life of a ``with`` block.
 

@@ -282,6 +282,45 @@ def test_bench_serve_command_and_result_parsing(tmp_path: Path) -> None:
     assert rows[3][:4] == ["random", "32", "streamkv", "skipped"]
 
 
+def test_bench_serve_reads_the_governors_drops_from_a_streamkv_servers_metrics(tmp_path: Path) -> None:
+    """Each streamkv cell records the drops to one torch thread during it, read from ``/metrics``; ``vllm`` and an
+    unreadable ``/metrics`` give ``None``."""
+    import http.server
+    import threading
+
+    from prometheus_client import generate_latest
+
+    from load_tests import bench_serve
+
+    metrics = EngineMetrics()
+    metrics.observe_threads(2, dropped=False)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = generate_latest(metrics.registry) if self.path == "/metrics" else b""
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        port = httpd.server_address[1]
+        ours = bench_serve.Server("streamkv", [], {}, int(port), tmp_path / "log")
+        assert bench_serve.thread_drops(ours) == 0
+        metrics.observe_threads(1, dropped=True)
+        metrics.observe_threads(2, dropped=False)
+        metrics.observe_threads(1, dropped=True)
+        assert bench_serve.thread_drops(ours) == 2
+        assert bench_serve.thread_drops(bench_serve.Server("vllm", [], {}, int(port), tmp_path / "log")) is None
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert bench_serve.thread_drops(bench_serve.Server("streamkv", [], {}, int(port), tmp_path / "log")) is None
+
 @pytest.mark.timeout(300)
 def test_soak_quick_returns_to_empty(tmp_path: Path) -> None:
     """``bench_soak --quick``: 40 conversations, some closed mid-answer, leave no request, session or block."""
