@@ -21,7 +21,8 @@ import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -29,6 +30,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from streamkv.config import ModelConfig
 from streamkv.gc_control import gc_paused
@@ -137,7 +139,7 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
     dtype = resolve_dtype(cfg.dtype, device)
     if (warning := emulated_bf16_warning(dtype, device, cfg.quantization)) is not None:
         logger.warning(warning)
-    with gc_paused():  # a third of the load was full collections walking the parser's objects (gc_control.py)
+    with gc_paused(), progress_bars_on_a_terminal_only():  # gc: a third of the load was collections (gc_control.py)
         cache = GGUFCache(Path(cfg.gguf_cache_dir), cfg.gguf_cache_space) if cfg.gguf_cache_dir else None
         checkpoint = load_hf_checkpoint(cfg.model, dtype, cache=cache)
         loaded = from_hf(checkpoint, dtype, device, prepack=prepack, quantization=cfg.quantization)
@@ -157,6 +159,25 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
         loaded.eos_token_ids,
     )
     return loaded
+
+
+@contextmanager
+def progress_bars_on_a_terminal_only() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights") off while stderr is not a terminal, restored after.
+
+    A server's stderr usually goes to a log or a journal, where each bar is a
+    run of carriage-return updates; :func:`load_model` logs the load's time
+    instead. (The GGUF parse of a first load has its own tqdm bar, which this
+    does not reach.)
+    """
+    if sys.stderr.isatty() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def load_hf_checkpoint(

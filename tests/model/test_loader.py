@@ -50,6 +50,20 @@ def test_tiny_folder_through_load_model(tiny_model_dirs: dict[str, str]) -> None
     assert loaded.model.num_layers == 2
 
 
+def test_a_load_into_a_log_shows_no_progress_bar(
+    tiny_model_dirs: dict[str, str], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """stderr not a terminal (a log, a journal): transformers' "Loading weights" bar stays out, and the bars are
+    on again afterwards; the same load through transformers alone shows it (the check can fail)."""
+    from transformers.utils import logging as hf_logging
+
+    folder = tiny_model_dirs["llama"]
+    load_model(ModelConfig(model=folder, dtype="float32"), torch.device("cpu"))
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert "Loading weights" in capfd.readouterr().err
+
 def _tiny_checkpoint(folder: str, loaded: LoadedModel) -> tuple[Any, HFCheckpoint]:
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return hf_model, HFCheckpoint(model=hf_model, tokenizer=loaded.tokenizer, name="t")
