@@ -15,6 +15,7 @@ transformers builds its own model once; we copy the weights into
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import logging
@@ -163,21 +164,30 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
 
 @contextmanager
 def progress_bars_on_a_terminal_only() -> Iterator[None]:
-    """transformers' progress bars ("Loading weights") off while stderr is not a terminal, restored after.
+    """transformers' progress bars ("Loading weights", "Writing model shards", the GGUF parse's "Converting and
+    de-quantizing GGUF tensors") off while stderr is not a terminal, restored after.
 
     A server's stderr usually goes to a log or a journal, where each bar is a
     run of carriage-return updates; :func:`load_model` logs the load's time
-    instead. (The GGUF parse of a first load has its own tqdm bar, which this
-    does not reach.)
+    instead. The GGUF parse calls tqdm itself, so for the load its module's
+    ``tqdm`` is transformers' own wrapper, which honours the switch.
     """
     if sys.stderr.isatty() or not hf_logging.is_progress_bar_enabled():
         yield
         return
+    gguf_utils: Any = None
+    with contextlib.suppress(ImportError):  # no gguf package: no GGUF parse either
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    raw_tqdm = getattr(gguf_utils, "tqdm", None)
     hf_logging.disable_progress_bar()
+    if raw_tqdm is not None:
+        gguf_utils.tqdm = hf_logging.tqdm
     try:
         yield
     finally:
         hf_logging.enable_progress_bar()
+        if raw_tqdm is not None:
+            gguf_utils.tqdm = raw_tqdm
 
 
 def load_hf_checkpoint(
