@@ -320,6 +320,7 @@ class EngineCore:
         governor = ThreadGovernor(threads, torch.set_num_threads, on_change=on_change)
         if metrics is not None:
             metrics.observe_threads(threads, dropped=False)
+        governor.start()  # the first step is judged too; an idle wait before it is paused out
         return governor
 
     def _observe_progress(self, num_computed_tokens: int) -> None:

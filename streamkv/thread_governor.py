@@ -141,6 +141,15 @@ class ThreadGovernor:
         on_cpu, wait = self.schedstat()
         return _Window(self.clock(), on_cpu, wait, self.idle_seconds())
 
+    def start(self) -> None:
+        """Take the first window's baseline now, so the first step's time counts (without it the first
+        :meth:`after_step` takes it: beside a busy process, a step of the collapse's 1.1 s at B=1 goes unjudged)."""
+        if self.enabled and self._window is None:
+            try:
+                self._window = self._read()
+            except Exception as e:  # noqa: BLE001 - see after_step
+                self._off(e)
+
     def pause(self) -> None:
         """The engine has no work: the time until :meth:`resume` stays out of the current window."""
         if self.enabled and self._window is not None and self._paused is None:

@@ -54,6 +54,28 @@ def test_it_drops_to_one_thread_when_the_engine_thread_waits_for_a_core() -> Non
     assert host.set == [1] and g.current == 1 and g.drops == 1
 
 
+def test_started_its_first_step_is_judged_and_an_idle_wait_before_it_is_not() -> None:
+    """``start`` takes the baseline before the first step: one long step beside a busy process is a full window
+    (without it, that step would only be the baseline), and an idle wait before it stays out."""
+    host = Host()
+    g = ThreadGovernor(2, host.set.append, clock=lambda: host.t, schedstat=lambda: (host.on_cpu, host.wait),
+                       idle_seconds=lambda: host.idle)  # fmt: skip
+    g.start()
+    g.pause()
+    host.t += 5.0  # idle: nothing on the engine thread, the cores free
+    host.idle += 10.0
+    g.resume()
+    host.advance(1.1, waiting=0.5)  # one step of the collapse
+    g.after_step()
+    assert host.set == [1] and g.drops == 1
+    unstarted = Host()
+    g = ThreadGovernor(2, unstarted.set.append, clock=lambda: unstarted.t,
+                       schedstat=lambda: (unstarted.on_cpu, unstarted.wait),
+                       idle_seconds=lambda: unstarted.idle)  # fmt: skip
+    unstarted.advance(1.1, waiting=0.5)
+    g.after_step()
+    assert unstarted.set == []  # that step only took the baseline
+
 def test_it_keeps_every_thread_on_a_quiet_host_or_with_too_little_busy_time() -> None:
     host = Host()
     g = host.governor()
