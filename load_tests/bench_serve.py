@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import os
 import shlex
@@ -231,7 +232,7 @@ def thread_drops(server: Server) -> float | None:
         return None
     try:
         return metric_value(server.base_url, "streamkv_engine_thread_drops_total")
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):  # refused, 404, timed out, cut off mid-answer
         return None
 
 

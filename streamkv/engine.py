@@ -265,11 +265,13 @@ class AsyncEngine:
             core.outputs.fail_all(EngineError(ErrorCode.ENGINE_ERROR, f"engine failed: {exc!r}"))
             raise
         finally:
-            for rid in list(core.requests):
-                core.abort(rid)
-            core.close()
-            if governor is not None:
-                governor.release()  # not 1 for the threads this process starts later
+            try:
+                for rid in list(core.requests):
+                    core.abort(rid)
+                core.close()
+            finally:
+                if governor is not None:
+                    governor.release()  # not 1 for the threads this process starts later
 
     def _handle(self, command: EngineCommand) -> None:
         core = self.core

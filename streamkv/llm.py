@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from streamkv.metrics_hooks import MetricsHooks
 from streamkv.model.loader import LoadedModel
 from streamkv.outputs import CompletedRequest, CompletionOutput, RequestOutput
 from streamkv.sampling_params import EarlyStopping, SamplingParams
+from streamkv.thread_governor import ThreadGovernor
 
 _MODEL_KEYS = set(ModelConfig.__dataclass_fields__)
 _CACHE_KEYS = set(CacheConfig.__dataclass_fields__)
@@ -36,6 +38,7 @@ class LLM:
             and ``adaptive_threads`` (default True: while :meth:`generate` runs,
             the calling thread drops to one torch thread when it waits for a
             core, as the served engine does; :mod:`streamkv.thread_governor`).
+            The engine runs at torch's thread count at this call.
 
     Raises:
         TypeError: an unknown option.
@@ -67,6 +70,8 @@ class LLM:
         elif options or model is not None:
             raise TypeError("pass either config or keyword options, not both")
         self.core = EngineCore(config, metrics, loaded)
+        self._threads = torch.get_num_threads()  # the engine's count; see _run_to_completion
+        self._local = threading.local()  # .governor: each calling thread's, gone with the thread
         self.tokenizer = self.core.tokenizer
         self._ids = itertools.count()
 
@@ -109,13 +114,20 @@ class LLM:
         return [results[rid] for rid in order]
 
     def _run_to_completion(self) -> None:
-        """Step until every request is done, under a thread governor of this thread (see ``adaptive_threads``).
+        """Step until every request is done, under this thread's thread governor (see ``adaptive_threads``).
 
-        The torch thread count is this thread's count at the call, and is set
-        back on the way out (also when a step raises).
+        The engine runs at torch's thread count as it was when this ``LLM`` was
+        made (a thread that first touched torch during another thread's drop
+        would read 1), or at one thread while the governor holds a drop; the
+        caller's own count is set back on the way out, also when a step raises.
+        One governor per calling thread lives across calls, so a drop, its hold
+        and a failed reading carry over, and the time between calls is paused out.
         """
-        threads = torch.get_num_threads()
-        governor = self.core.thread_governor(threads)
+        caller = torch.get_num_threads()
+        governor = self._thread_governor()
+        torch.set_num_threads(self._threads if governor is None else governor.current)
+        if governor is not None:
+            governor.resume()
         try:
             while self.core.has_work():
                 self.core.step()
@@ -123,7 +135,15 @@ class LLM:
                     governor.after_step()
         finally:
             if governor is not None:
-                governor.release()
+                governor.pause()
+            torch.set_num_threads(caller)
+
+    def _thread_governor(self) -> ThreadGovernor | None:
+        """The calling thread's governor: built at its first call, on it (its readings are that thread's)."""
+        if not hasattr(self._local, "governor"):
+            self._local.governor = self.core.thread_governor(self._threads)
+        governor: ThreadGovernor | None = self._local.governor
+        return governor
 
     def beam_search(
         self,

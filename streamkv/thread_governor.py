@@ -135,7 +135,7 @@ class ThreadGovernor:
         self._window: _Window | None = None
         self._changed_at = 0.0
         self._just_restored = False  # the next judged window is the first since a restore
-        self._paused: tuple[float, float] | None = None  # (clock, idle CPU seconds) when the engine went idle
+        self._paused: _Window | None = None  # the readings when the engine went idle
 
     def _read(self) -> _Window:
         on_cpu, wait = self.schedstat()
@@ -151,23 +151,30 @@ class ThreadGovernor:
                 self._off(e)
 
     def pause(self) -> None:
-        """The engine has no work: the time until :meth:`resume` stays out of the current window."""
+        """The engine has no work: the time until :meth:`resume` stays out of the current window (its clock,
+        the idle CPUs and the thread's own on-CPU and wait time: an idle poll, or the caller's own work between
+        two ``LLM.generate`` calls, is not a step)."""
         if self.enabled and self._window is not None and self._paused is None:
             try:
-                self._paused = (self.clock(), self.idle_seconds())
+                self._paused = self._read()
             except Exception as e:  # noqa: BLE001 - see after_step
                 self._off(e)
 
     def resume(self) -> None:
-        """The engine steps again (call before the step): the window skips the idle gap."""
+        """The engine steps again (call before the step): the window skips the gap since :meth:`pause`."""
         if self._paused is None or self._window is None:
             return
-        (t, idle), self._paused = self._paused, None
+        paused, self._paused = self._paused, None
         try:
-            self._window.t += self.clock() - t
-            self._window.idle += self.idle_seconds() - idle
+            now = self._read()
         except Exception as e:  # noqa: BLE001 - see after_step
             self._off(e)
+            return
+        w = self._window
+        w.t += now.t - paused.t
+        w.on_cpu += now.on_cpu - paused.on_cpu
+        w.wait += now.wait - paused.wait
+        w.idle += now.idle - paused.idle
 
     def release(self) -> None:
         """The stepping ends: give back every thread, since ``torch.set_num_threads`` also sets the count that

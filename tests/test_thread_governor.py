@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -75,6 +74,20 @@ def test_started_its_first_step_is_judged_and_an_idle_wait_before_it_is_not() ->
     unstarted.advance(1.1, waiting=0.5)
     g.after_step()
     assert unstarted.set == []  # that step only took the baseline
+
+def test_the_callers_own_work_between_calls_stays_out_of_the_window() -> None:
+    """Between two ``generate`` calls (paused) the caller's thread may compute for seconds with no wait: that is
+    not a step, so it must not dilute the next call's share (a busy process then still drops the threads)."""
+    host = Host()
+    g = host.governor()
+    host.advance(0.3, waiting=0.5)
+    g.after_step()
+    g.pause()
+    host.advance(5.0)  # the caller tokenizes, on its core, no wait
+    g.resume()
+    host.advance(0.3, waiting=0.5)
+    g.after_step()
+    assert host.set == [1]
 
 def test_it_keeps_every_thread_on_a_quiet_host_or_with_too_little_busy_time() -> None:
     host = Host()
@@ -308,11 +321,12 @@ def test_the_served_engine_gives_the_same_tokens_across_a_drop_and_reports_it(
     assert fixed_metrics.registry.get_sample_value("streamkv_engine_threads") == threads
 
 
-def test_offline_generate_gives_the_same_tokens_across_a_drop_and_sets_the_threads_back(
+def test_offline_generate_gives_the_same_tokens_across_a_drop_and_gives_the_caller_its_threads_back(
     tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``LLM.generate`` steps under a governor of the caller's thread: a drop changes no token, the gauge and the
-    counter show it, and the caller's thread count is back when generate returns (also after a failed step)."""
+    """``LLM.generate`` steps under its calling thread's governor: a drop changes no token, the counter shows it,
+    the caller's thread count is back when generate returns, and the held drop carries over to that thread's next
+    call, which still gives the caller its count back when a step raises."""
     from streamkv.llm import LLM
 
     threads_seen = force_a_drop_at_every_step(monkeypatch)
@@ -328,18 +342,48 @@ def test_offline_generate_gives_the_same_tokens_across_a_drop_and_sets_the_threa
     governed = LLM(loaded=tiny, device="cpu", num_blocks=64, max_model_len=256, metrics=metrics)
     governed_tokens = [r.outputs[0].token_ids for r in governed.generate(prompts, params)]
     assert governed_tokens == fixed_tokens and all(len(t) == 24 for t in fixed_tokens)
-    assert threads_seen == [1, threads] and torch.get_num_threads() == threads
+    assert threads_seen == [1] and torch.get_num_threads() == threads  # the drop, then the caller's count back
     assert metrics.registry.get_sample_value("streamkv_engine_thread_drops_total") == 1
-    assert metrics.registry.get_sample_value("streamkv_engine_threads") == threads  # given back at the end
+    assert metrics.registry.get_sample_value("streamkv_engine_threads") == 1  # the engine's count, held
 
-    real_step, calls = governed.core.step, itertools.count()
+    real_step, in_steps = governed.core.step, []
 
-    def step_then_fail() -> bool:  # two steps run (a baseline, then a drop), the third raises
-        if next(calls) < 2:
+    def step_then_fail() -> bool:  # two steps run, the third raises
+        in_steps.append(torch.get_num_threads())
+        if len(in_steps) < 3:
             return real_step()
         raise RuntimeError("step failed")
 
     monkeypatch.setattr(governed.core, "step", step_then_fail)
     with pytest.raises(RuntimeError, match="step failed"):
         governed.generate(prompts[:1], params)
-    assert threads_seen == [1, threads, 1, threads] and torch.get_num_threads() == threads
+    assert in_steps == [1, 1, 1] and threads_seen == [1]  # held from the first step: no second drop
+    assert torch.get_num_threads() == threads
+
+
+def test_offline_generate_runs_at_the_llms_thread_count_whatever_the_calling_threads_reads(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread that first touched torch during another thread's drop reads one thread; the engine still runs at
+    the count of the LLM's construction, and that thread's own count is left as it was."""
+    from streamkv.llm import LLM
+
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("needs 2 torch threads")
+    llm = LLM(loaded=tiny, device="cpu", num_blocks=64, max_model_len=256, adaptive_threads=False)
+    real_step, in_steps, after = llm.core.step, [], []
+    monkeypatch.setattr(llm.core, "step", lambda: (in_steps.append(torch.get_num_threads()), real_step())[1])
+
+    def other_thread() -> None:
+        torch.set_num_threads(1)
+        llm.generate([[101, 202, 303, 404] * 3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        after.append(torch.get_num_threads())
+
+    try:
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert in_steps and set(in_steps) == {threads} and after == [1]

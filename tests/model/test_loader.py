@@ -106,3 +106,42 @@ def test_bfloat16_load_tracks_float32(tiny_model_dirs: dict[str, str]) -> None:
             results[dtype] = model.compute_logits(hidden)
         assert hidden.dtype == loaded.dtype and results[dtype].dtype == torch.float32
     torch.testing.assert_close(results["bfloat16"], results["float32"], atol=0.05, rtol=0.05)
+
+
+def test_the_progress_bar_switch_leaves_the_hubs_settings_and_waits_for_the_last_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """huggingface_hub's own switches are not reset; with two loads at once the bars come back when the last
+    one ends; a closed stderr (``None``) is not a terminal."""
+    import threading
+
+    import huggingface_hub.utils as hub_utils
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from streamkv.model.loader import progress_bars_on_a_terminal_only
+
+    monkeypatch.setattr("sys.stderr", None)
+    raw_tqdm = gguf_utils.tqdm
+    hub_utils.disable_progress_bars("huggingface_hub.http_get")
+    try:
+        inside, leave = threading.Event(), threading.Event()
+
+        def other_load() -> None:
+            with progress_bars_on_a_terminal_only():
+                inside.set()
+                leave.wait(10)
+
+        t = threading.Thread(target=other_load)
+        t.start()
+        assert inside.wait(10)
+        with progress_bars_on_a_terminal_only():
+            assert not hf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is hf_logging.tqdm
+        assert not hf_logging.is_progress_bar_enabled()  # the other load is still on
+        leave.set()
+        t.join()
+        assert hf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is raw_tqdm
+        assert hub_utils.are_progress_bars_disabled("huggingface_hub.http_get")
+    finally:
+        leave.set()
+        hub_utils.enable_progress_bars("huggingface_hub.http_get")
