@@ -25,6 +25,13 @@ threads and instead drops to one thread while it sees contention:
 - **Idle gaps:** the engine calls :meth:`ThreadGovernor.pause` when it runs
   out of work and :meth:`ThreadGovernor.resume` before its next step, so a
   window counts only the time spent stepping, however short the requests.
+  A gap of at least ``period_s`` also brings every thread back at resume
+  (once ``hold_s`` has passed) when its idle CPUs reach ``restore_idle`` of
+  *all* the cores: the engine used none of them, so that much idle time
+  means nothing else is busy (beside one busy single-thread process a gap
+  reads ~1 idle CPU of 2, short of 1.2). Without it a server that dropped
+  during a burst stayed at one thread while idle, and began its next burst
+  there for a window.
 - **Failures:** a reading that fails turns the governor off and gives back
   every thread; it never raises into the engine thread.
 
@@ -175,6 +182,12 @@ class ThreadGovernor:
         w.on_cpu += now.on_cpu - paused.on_cpu
         w.wait += now.wait - paused.wait
         w.idle += now.idle - paused.idle
+        gap = now.t - paused.t
+        if self.current < self.threads and gap >= self.period_s and now.t - self._changed_at >= self.hold_s:
+            idle_cpus = (now.idle - paused.idle) / gap
+            if idle_cpus >= self.restore_idle * self.threads:
+                self._just_restored = True
+                self._change(self.threads, now.t, f"{idle_cpus:.2f} CPUs idle while the engine was")
 
     def release(self) -> None:
         """The stepping ends: give back every thread, since ``torch.set_num_threads`` also sets the count that

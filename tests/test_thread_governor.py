@@ -138,6 +138,34 @@ def test_an_idle_engine_does_not_bring_the_threads_back_beside_a_busy_process() 
     assert g.current == 2 and host.set == [1, 2]
 
 
+def test_an_idle_gap_on_free_cores_brings_the_threads_back_before_the_next_burst() -> None:
+    """Idle with every core free (the other process gone): the threads are back at resume, before the next step.
+    Idle beside a busy process (one core of two idle), too short a gap, or within the hold: they are not."""
+    host = Host()
+    g = host.governor()
+    host.advance(0.6, waiting=0.5)
+    g.after_step()
+    assert g.current == 1
+    for gap, idle_cpus in ((30.0, 1.0), (0.2, 2.0)):  # beside a busy process; a gap too short to judge
+        g.pause()
+        host.t += gap
+        host.idle += gap * idle_cpus
+        g.resume()
+        assert g.current == 1
+    g.pause()
+    host.t += 5.0  # the other process has gone: both cores idle
+    host.idle += 10.0
+    g.resume()
+    assert g.current == 2 and host.set == [1, 2]
+    host.advance(0.6, waiting=0.5)  # it comes back at once: a quick drop doubles the hold
+    g.after_step()
+    assert g.current == 1 and g.hold_s == 4.0
+    g.pause()
+    host.t += 3.0  # idle on free cores, but within the 4 s hold
+    host.idle += 6.0
+    g.resume()
+    assert g.current == 1
+
 def test_a_quick_drop_after_a_restore_doubles_the_hold_and_a_lasting_restore_resets_it() -> None:
     host = Host()
     g = host.governor(max_hold_s=6.0)
