@@ -186,8 +186,7 @@ class ThreadGovernor:
         if self.current < self.threads and gap >= self.period_s and now.t - self._changed_at >= self.hold_s:
             idle_cpus = (now.idle - paused.idle) / gap
             if idle_cpus >= self.restore_idle * self.threads:
-                self._just_restored = True
-                self._change(self.threads, now.t, f"{idle_cpus:.2f} CPUs idle while the engine was")
+                self._restore(now.t, f"{idle_cpus:.2f} CPUs idle while the engine was")
 
     def release(self) -> None:
         """The stepping ends: give back every thread, since ``torch.set_num_threads`` also sets the count that
@@ -232,12 +231,15 @@ class ThreadGovernor:
                 self.hold_s = min(2 * self.hold_s, self.max_hold_s) if quick else self.base_hold_s
                 self._change(1, now, f"the engine thread waited for a core {share:.0%} of its busy time")
         elif now - self._changed_at >= self.hold_s and busy >= self.restore_busy * (now - w.t):
-            # only a window of steps says what the other process does while the engine computes: after the
-            # engine sat idle, the idle CPUs of that gap would bring the threads back beside a busy process
+            # a window of steps: the engine computes on one core, so the other threads need the rest idle (an
+            # unpaused idle stretch is no such window; a paused gap is judged by resume against all the cores)
             idle_cpus = (self._window.idle - w.idle) / (now - w.t)
             if idle_cpus >= self.restore_idle * (self.threads - 1):
-                self._just_restored = True
-                self._change(self.threads, now, f"{idle_cpus:.2f} CPUs idle")
+                self._restore(now, f"{idle_cpus:.2f} CPUs idle")
+
+    def _restore(self, now: float, why: str) -> None:
+        self._just_restored = True  # a drop in the next judged window doubles the hold
+        self._change(self.threads, now, why)
 
     def _change(self, threads: int, now: float, why: str) -> None:
         self.set_threads(threads)

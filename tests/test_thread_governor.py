@@ -35,10 +35,19 @@ class Host:
         self.wait += seconds * waiting
         self.idle += seconds * idle_cpus
 
-    def governor(self, threads: int = 2, **kwargs: float) -> ThreadGovernor:
+    def governor(self, threads: int = 2, *, baseline: bool = True, **kwargs: float) -> ThreadGovernor:
         g = ThreadGovernor(threads, self.set.append, clock=lambda: self.t, schedstat=lambda: (self.on_cpu, self.wait),
                            idle_seconds=lambda: self.idle, **kwargs)  # fmt: skip
-        g.after_step()  # the first call takes the baseline
+        if baseline:
+            g.after_step()  # the first call takes the baseline
+        return g
+
+    def dropped_governor(self) -> ThreadGovernor:
+        """A governor that has just dropped to one thread: a 0.6 s window of steps waiting half their time."""
+        g = self.governor()
+        self.advance(0.6, waiting=0.5)
+        g.after_step()
+        assert g.current == 1
         return g
 
 
@@ -57,8 +66,7 @@ def test_started_its_first_step_is_judged_and_an_idle_wait_before_it_is_not() ->
     """``start`` takes the baseline before the first step: one long step beside a busy process is a full window
     (without it, that step would only be the baseline), and an idle wait before it stays out."""
     host = Host()
-    g = ThreadGovernor(2, host.set.append, clock=lambda: host.t, schedstat=lambda: (host.on_cpu, host.wait),
-                       idle_seconds=lambda: host.idle)  # fmt: skip
+    g = host.governor(baseline=False)
     g.start()
     g.pause()
     host.t += 5.0  # idle: nothing on the engine thread, the cores free
@@ -68,9 +76,7 @@ def test_started_its_first_step_is_judged_and_an_idle_wait_before_it_is_not() ->
     g.after_step()
     assert host.set == [1] and g.drops == 1
     unstarted = Host()
-    g = ThreadGovernor(2, unstarted.set.append, clock=lambda: unstarted.t,
-                       schedstat=lambda: (unstarted.on_cpu, unstarted.wait),
-                       idle_seconds=lambda: unstarted.idle)  # fmt: skip
+    g = unstarted.governor(baseline=False)
     unstarted.advance(1.1, waiting=0.5)
     g.after_step()
     assert unstarted.set == []  # that step only took the baseline
@@ -103,10 +109,7 @@ def test_it_keeps_every_thread_on_a_quiet_host_or_with_too_little_busy_time() ->
 
 def test_it_restores_every_thread_once_the_cores_are_free_after_the_hold() -> None:
     host = Host()
-    g = host.governor()
-    host.advance(0.6, waiting=0.5)
-    g.after_step()
-    assert g.current == 1
+    g = host.dropped_governor()
     for _ in range(3):  # 1.8 s: the cores are free, but the hold (2 s) is not over
         host.advance(0.6, idle_cpus=1.0)
         g.after_step()
@@ -122,10 +125,7 @@ def test_it_restores_every_thread_once_the_cores_are_free_after_the_hold() -> No
 def test_an_idle_engine_does_not_bring_the_threads_back_beside_a_busy_process() -> None:
     """After the engine sat idle, that gap's idle CPUs say nothing of the other process: only a window of steps does."""
     host = Host()
-    g = host.governor()
-    host.advance(0.6, waiting=0.5)
-    g.after_step()
-    assert g.current == 1
+    g = host.dropped_governor()
     host.t += 30.0  # no requests for 30 s: the busy process holds one core, the other is idle
     host.idle += 30.0
     g.after_step()
@@ -142,10 +142,7 @@ def test_an_idle_gap_on_free_cores_brings_the_threads_back_before_the_next_burst
     """Idle with every core free (the other process gone): the threads are back at resume, before the next step.
     Idle beside a busy process (one core of two idle), too short a gap, or within the hold: they are not."""
     host = Host()
-    g = host.governor()
-    host.advance(0.6, waiting=0.5)
-    g.after_step()
-    assert g.current == 1
+    g = host.dropped_governor()
     for gap, idle_cpus in ((30.0, 1.0), (0.2, 2.0)):  # beside a busy process; a gap too short to judge
         g.pause()
         host.t += gap
@@ -209,16 +206,14 @@ def test_a_drop_right_after_a_restore_doubles_the_hold_even_when_steps_outlast_t
 
 
 def test_short_requests_with_idle_gaps_still_fill_windows_of_steps() -> None:
-    """Requests shorter than a window, seconds apart: paused gaps stay out, so the threads come back on free cores."""
+    """Requests and idle gaps both shorter than a window: the paused gaps stay out, and windows of steps from
+    several requests bring the threads back on free cores (the gaps are too short for resume to judge)."""
     host = Host()
-    g = host.governor()
-    host.advance(0.6, waiting=0.5)
-    g.after_step()
-    assert g.current == 1
+    g = host.dropped_governor()
     for _ in range(20):
         g.pause()
-        host.t += 3.0  # idle between requests, the cores free
-        host.idle += 6.0
+        host.t += 0.4  # idle between requests, the cores free (a gap shorter than a window: resume leaves it)
+        host.idle += 0.8
         g.resume()
         for _ in range(4):  # a 0.4 s request of 0.1 s steps, one core idle
             host.advance(0.1, idle_cpus=1.0)
@@ -231,10 +226,7 @@ def test_a_reading_that_fails_later_turns_it_off_and_gives_back_the_threads(
     error: Exception, caplog: pytest.LogCaptureFixture
 ) -> None:
     host = Host()
-    g = host.governor()
-    host.advance(0.6, waiting=0.5)
-    g.after_step()
-    assert g.current == 1
+    g = host.dropped_governor()
 
     def broken() -> tuple[float, float]:
         raise error
