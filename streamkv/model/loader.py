@@ -15,16 +15,13 @@ transformers builds its own model once; we copy the weights into
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib.util
 import logging
 import sys
-import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -32,7 +29,6 @@ from typing import Any, cast
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
-from transformers.utils import logging as hf_logging
 
 from streamkv.config import ModelConfig
 from streamkv.gc_control import gc_paused
@@ -41,6 +37,7 @@ from streamkv.model.gguf_codes import GGUFTensor, gguf_tensor_table
 from streamkv.model.linear import Linear, has_gguf_kernel, has_int8_kernel
 from streamkv.model.llama import FUSED_DTYPES, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import emulated_bf16_warning, resolve_dtype
+from streamkv.model.progress_bars import progress_bars_on_a_terminal_only
 
 logger = logging.getLogger(__name__)
 
@@ -161,52 +158,6 @@ def load_model(cfg: ModelConfig, device: torch.device, *, prepack: bool = True) 
         loaded.eos_token_ids,
     )
     return loaded
-
-
-_bars_lock = threading.Lock()
-_bars_loads = 0  # loads inside progress_bars_on_a_terminal_only now
-_bars_saved: tuple[Any, Any, Any] = (None, None, None)  # (transformers' switch, gguf module, its tqdm) before
-
-
-@contextmanager
-def progress_bars_on_a_terminal_only() -> Iterator[None]:
-    """transformers' progress bars ("Loading weights", "Writing model shards", the GGUF parse's "Converting and
-    de-quantizing GGUF tensors") off while stderr is not a terminal, as they were after.
-
-    A server's stderr usually goes to a log or a journal, where each bar is a
-    run of carriage-return updates; :func:`load_model` logs the load's time
-    instead. transformers' bars check its module flag ``_tqdm_active``, which
-    this sets alone (``disable_progress_bar``/``enable_progress_bar`` would also
-    reset huggingface_hub's own switches); the GGUF parse calls tqdm itself, so
-    for the load its module's ``tqdm`` is transformers' wrapper. Loads in
-    several threads at once: the first in switches them off, the last out
-    puts them back.
-    """
-    global _bars_loads, _bars_saved
-    isatty = getattr(sys.stderr, "isatty", None)  # sys.stderr is None when fd 2 was closed at start
-    if (isatty is not None and isatty()) or not hasattr(hf_logging, "_tqdm_active"):
-        yield
-        return
-    with _bars_lock:
-        if _bars_loads == 0:
-            gguf_utils: Any = None
-            with contextlib.suppress(ImportError):  # no gguf package: no GGUF parse either
-                import transformers.modeling_gguf_pytorch_utils as gguf_utils
-            _bars_saved = (hf_logging._tqdm_active, gguf_utils, getattr(gguf_utils, "tqdm", None))
-            hf_logging._tqdm_active = False
-            if _bars_saved[2] is not None:
-                gguf_utils.tqdm = hf_logging.tqdm
-        _bars_loads += 1
-    try:
-        yield
-    finally:
-        with _bars_lock:
-            _bars_loads -= 1
-            if _bars_loads == 0:
-                active, gguf_utils, raw_tqdm = _bars_saved
-                hf_logging._tqdm_active = active
-                if raw_tqdm is not None:
-                    gguf_utils.tqdm = raw_tqdm
 
 
 def load_hf_checkpoint(

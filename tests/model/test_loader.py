@@ -119,7 +119,7 @@ def test_the_progress_bar_switch_leaves_the_hubs_settings_and_waits_for_the_last
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
-    from streamkv.model.loader import progress_bars_on_a_terminal_only
+    from streamkv.model.progress_bars import progress_bars_on_a_terminal_only
 
     monkeypatch.setattr("sys.stderr", None)
     raw_tqdm = gguf_utils.tqdm
