@@ -11,11 +11,13 @@ kernel (its GB/s count int8 bytes) and oneDNN on the dequantized bf16
 weights (what batches past ``INT8_MAX_ROWS`` run). ``gguf`` rows run a float32
 model of the default GGUF: the projections on Q4_1 codes and the LM head on
 Q8_0 codes (the kernel's GB/s count the codes' bytes), against oneDNN on the
-float32 weights.
+float32 weights; ``gguf_bf16`` rows the same codes in a bfloat16 model,
+against oneDNN on the bf16 weights.
 
     .venv/bin/python -m load_tests.bench_small_linear                       # 2 threads, M = 1 .. 128
     .venv/bin/python -m load_tests.bench_small_linear --rows 1,8 --dtypes bfloat16,int8 --threads 1
     .venv/bin/python -m load_tests.bench_small_linear --dtypes float32,gguf
+    .venv/bin/python -m load_tests.bench_small_linear --dtypes bfloat16,gguf_bf16
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from streamkv.model.gguf_codes import GGUFCodes, Q4_1Codes, Q8_0Codes  # noqa: E402
-from streamkv.model.linear import SmallMatmul, dequantize_int8, quantize_int8  # noqa: E402
+from streamkv.model.linear import SmallMatmul, dequantize_int8, has_gguf_kernel, quantize_int8  # noqa: E402
 from streamkv.ops.cpu_ops import load_linear_ops, set_amx  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -88,8 +90,8 @@ def pack(
     ops: ModuleType, name: str, layers: int
 ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[SmallMatmul]], int, torch.dtype]:
     """oneDNN's and the small kernel's copies of random SmolLM2-shaped weights; bytes the kernel streams; x dtype."""
-    int8, gguf = name == "int8", name == "gguf"
-    dtype = torch.bfloat16 if int8 else torch.float32 if gguf else getattr(torch, name)
+    int8, gguf = name == "int8", name.startswith("gguf")
+    dtype = torch.bfloat16 if int8 or name == "gguf_bf16" else torch.float32 if gguf else getattr(torch, name)
     onednn: dict[str, list[torch.Tensor]] = {}
     small: dict[str, list[SmallMatmul]] = {}
     for shape, dims in SHAPES.items():
@@ -98,7 +100,7 @@ def pack(
             w = (torch.randn(*dims) * 0.02).to(dtype)
             codes = quantize_int8(w) if int8 else None
             blocks = random_gguf(shape, *dims) if gguf else None
-            dense = w if blocks is None else blocks.dequantize()
+            dense = w if blocks is None else blocks.dequantize().to(dtype)
             if codes is not None:
                 dense = dequantize_int8(*codes, dtype)
             onednn[shape].append(torch.ops.mkldnn._reorder_linear_weight(dense, 32))
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         default="float32,bfloat16,bfloat16-vdpbf16ps,int8",
         help="float32, bfloat16 (on AMX tiles where the CPU has them), bfloat16-vdpbf16ps (AMX off; only where it"
         " is on by default), int8 (bf16 x, int8 weights), gguf (float32 x, the projections as GGUF Q4_1 codes, the"
-        " LM head as Q8_0 codes, as the default model runs in float32)",
+        " LM head as Q8_0 codes, as the default model runs in float32), gguf_bf16 (the same codes under bf16 x, as"
+        " the default model runs in bfloat16: the kernel's GB/s count the codes' bytes)",
     )
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--layers", type=int, default=LAYERS, help="weights per projection shape (30 in SmolLM2)")
@@ -148,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "gguf" and not ops.small_linear_gguf_supported():
             print("| gguf | - | the GGUF kernel needs AVX-512 |")
             continue
+        if name == "gguf_bf16" and not has_gguf_kernel(ops, torch.bfloat16):
+            print("| gguf_bf16 | - | the bf16 GGUF kernel needs AVX512-BF16 |")
+            continue
         if name == "bfloat16" and not ops.small_linear_bf16_supported():
             print("| bfloat16 | - | the bf16 kernel needs AVX512-BF16 |")
             continue
@@ -159,8 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         set_amx(amx and name != "bfloat16-vdpbf16ps")
         for rows in (int(r) for r in args.rows.split(",")):
             a, b = time_rows(ops, onednn, small, rows, dtype, args.rounds)
-            # int8: oneDNN streams the bf16 weights; gguf: the float32 ones
-            onednn_bytes = nbytes * 2 if name == "int8" else fp32_bytes if name == "gguf" else nbytes
+            # int8: oneDNN streams the bf16 weights; gguf: the float32 ones; gguf_bf16: the bf16 ones
+            if name == "int8":
+                onednn_bytes = nbytes * 2
+            elif name.startswith("gguf"):
+                onednn_bytes = fp32_bytes // (2 if name == "gguf_bf16" else 1)
+            else:
+                onednn_bytes = nbytes
             print(
                 f"| {name} | {rows} | {a * 1e3:.2f} | {onednn_bytes / a / 1e9:.1f} | {b * 1e3:.2f} "
                 f"| {nbytes / b / 1e9:.1f} | {a / b:.2f}x |"

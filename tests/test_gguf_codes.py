@@ -1,15 +1,20 @@
-"""fp32 matmuls on GGUF Q4_1 and Q8_0 codes (``small_linear.cpp``'s run_gguf, ``streamkv/model/gguf_codes.py``).
+"""fp32 and bf16 matmuls on GGUF Q4_1 and Q8_0 codes (``small_linear.cpp``'s run_gguf and run_gguf_bf16,
+``streamkv/model/gguf_codes.py``).
 
 The kernel's contract is exactness: on codes whose dequantized weight is W,
 its result is bitwise the fp32 kernel's on W, at every row count (one pass
 dequantizes in registers, more passes go through a dequantized panel), with
-column tails, a bias and strided rows. The loader keeps a weight's codes
-only when they give its loaded weight bitwise; the default GGUF's do.
+column tails, a bias and strided rows; under bf16 x it is bitwise the bf16
+kernel's (AMX tiles or ``vdpbf16ps``) on W rounded to bf16. The loader keeps a
+weight's codes only when they give its loaded weight bitwise; the default
+GGUF's do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +91,57 @@ def test_bitwise_the_fp32_kernel_on_the_dequantized_weight(kind: str, n: int, k:
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
 
 
+needs_bf16 = pytest.mark.skipif(not has_gguf_kernel(ops, torch.bfloat16), reason="needs an AVX512-BF16 build")
+
+
+@contextlib.contextmanager
+def amx(on: bool) -> Iterator[None]:
+    """The extension's AMX kernels switched on or off (skips when on is asked of a CPU without them)."""
+    before = ops.set_amx(on)
+    if on and not ops.amx():
+        ops.set_amx(before)
+        pytest.skip("no AMX here")
+    try:
+        yield
+    finally:
+        ops.set_amx(before)
+
+
+@needs_bf16
+@pytest.mark.parametrize("use_amx", [True, False], ids=["amx", "vdpbf16ps"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_codes_give_the_weights_bf16_rounding_bitwise(kind: str, use_amx: bool) -> None:
+    """x = the identity: each output is one weight times 1, so the result is the kernel's bf16 weight itself, which
+    must be torch's rounding of the fp32 dequantization (the whole panel, both column blocks, a column tail)."""
+    c = random_codes(kind, 50, 160, seed=3)
+    expected = c.dequantize().to(torch.bfloat16)
+    eye = torch.eye(160, dtype=torch.bfloat16)
+    got = torch.empty(160, 50, dtype=torch.bfloat16)
+    with amx(use_amx):
+        ops.small_linear(got, eye, c.pack(ops, bf16=True), None)
+    assert torch.equal(got.T, expected)
+
+
+@needs_bf16
+@pytest.mark.parametrize("use_amx", [True, False], ids=["amx", "vdpbf16ps"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (50, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 17, 32, 33, 64, 128, 129, 300])
+def test_bitwise_the_bf16_kernel_on_the_rounded_weight(kind: str, n: int, k: int, rows: int, use_amx: bool) -> None:
+    c = random_codes(kind, n, k, seed=rows)
+    w = c.dequantize().to(torch.bfloat16)
+    bias = torch.randn(n)
+    x = torch.randn(rows, k).bfloat16()
+    expected = torch.empty(rows, n, dtype=torch.bfloat16)
+    got = torch.empty(rows, n, dtype=torch.bfloat16)
+    with amx(use_amx):
+        ops.small_linear(expected, x, ops.pack_small_linear(w), bias)
+        ops.small_linear(got, x, c.pack(ops, bf16=True), bias)
+    assert torch.equal(got, expected)
+    reference = torch.nn.functional.linear(x.float(), w.float(), bias)
+    torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_strided_rows_and_no_rows(kind: str) -> None:
     c = random_codes(kind, 70, 128)
@@ -115,12 +171,44 @@ def test_bad_arguments_raise() -> None:
     with pytest.raises(RuntimeError, match="int8"):
         ops.pack_small_linear_q8_0(e.codes.view(torch.uint8), e.d)
     for packed in (c.pack(ops), e.pack(ops)):
-        with pytest.raises(RuntimeError, match="float32 x"):
-            ops.small_linear(torch.empty(2, 40, dtype=torch.bfloat16), torch.randn(2, 64).bfloat16(), packed, None)
+        with pytest.raises(RuntimeError, match="float32 x and out"):  # x and out must share their dtype
+            ops.small_linear(torch.empty(2, 40), torch.randn(2, 64).bfloat16(), packed, None)
+        with pytest.raises(RuntimeError, match="float32 x and out"):
+            ops.small_linear(torch.empty(2, 40, dtype=torch.half), torch.randn(2, 64).half(), packed, None)
         with pytest.raises(RuntimeError, match="another N or K"):
             ops.small_linear(torch.empty(2, 40), torch.randn(2, 96), packed, None)
     with pytest.raises(RuntimeError, match="pack_small_linear_q4_1 or pack_small_linear_q8_0"):
         ops.small_linear(torch.empty(2, 40), torch.randn(2, 64), torch.zeros(2, 2, 100, dtype=torch.uint8), None)
+    if has_gguf_kernel(ops, torch.bfloat16):  # each dtype's layout only under its own x
+        for codes in (c, e):
+            with pytest.raises(RuntimeError, match="bf16=False for float32 x"):
+                ops.small_linear(torch.empty(2, 40), torch.randn(2, 64), codes.pack(ops, bf16=True), None)
+            with pytest.raises(RuntimeError, match="bf16=True for bfloat16 x"):
+                out = torch.empty(2, 40, dtype=torch.bfloat16)
+                ops.small_linear(out, torch.randn(2, 64).bfloat16(), codes.pack(ops), None)
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bf16_layer_runs_its_small_batches_on_the_codes(kind: str) -> None:
+    """The layer keeps the codes as its small-batch copy and gives the dense bf16 layer's results, wherever the
+    rows go (the kernel, AMX's narrow-weight rows, oneDNN)."""
+    c = random_codes(kind, 96, 192)
+    w = c.dequantize().to(torch.bfloat16)
+    layers = []
+    for codes in (c, None):
+        layer = Linear(192, 96, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        layer.prepack(32, ops, codes=codes)
+        layers.append(layer)
+    ours, reference = layers
+    assert ours.small is not None and ours.small.packed.dtype == torch.uint8
+    assert reference.small is not None and reference.small.packed.dtype == torch.bfloat16
+    assert (ours.small.max_rows, ours.small.amx_rows) == (reference.small.max_rows, reference.small.amx_rows)
+    for rows in (1, 8, 128, 129, 1024, 1025):
+        x = torch.randn(rows, 192).bfloat16()
+        assert torch.equal(ours(x), reference(x)), rows
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,4 +1,4 @@
-"""The GGUF's Q4_1 and Q8_0 weights kept as their codes, for the small-batch kernel's exact fp32 path.
+"""The GGUF's Q4_1 and Q8_0 weights kept as their codes, for the small-batch kernel's exact fp32 and bf16 paths.
 
 The default model is a Q4_1 GGUF: every projection weight is blocks of 32
 4-bit codes ``q`` with a float16 scale ``d`` and minimum ``m``, and the
@@ -11,7 +11,10 @@ head (tied), is Q8_0: int8 codes with a float16 ``d`` per block of 32, and
 GGUF kernel dequantizes the codes as it streams them and runs the fp32
 kernel's sums in the same order, so a decode step reads ~5 bits (Q4_1) or
 8.5 bits (Q8_0) a weight instead of 32 and its logits are bitwise those of
-the float32 weights.
+the float32 weights. A bfloat16 model holds each weight rounded once to
+bf16; its kernel rounds the same fp32 dequantization the same way (into a
+bf16 panel for the AMX tiles or ``vdpbf16ps``), so a bf16 decode step reads
+the codes instead of 16 bits a weight, with the bf16 weights' bits.
 
 :func:`read_gguf_codes` reads the codes of each projection, fused as our
 model fuses them (``qkv_proj`` = q, k, v rows; ``gate_up_proj`` = gate, up),
@@ -36,6 +39,8 @@ from typing import TypeVar
 
 import numpy as np
 import torch
+
+from streamkv.model.linear import GGUF_CODE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +81,10 @@ class Q4_1Codes:
         """The weights' rows one after another (a fused projection)."""
         return Q4_1Codes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "d", "m")))
 
-    def pack(self, ops: ModuleType) -> torch.Tensor:
-        """``ops.small_linear``'s packed copy, uint8 ``[N/32, K/32, 640]`` (``pack_small_linear_q4_1``)."""
-        return ops.pack_small_linear_q4_1(self.codes, self.d, self.m)
+    def pack(self, ops: ModuleType, bf16: bool = False) -> torch.Tensor:
+        """``ops.small_linear``'s packed copy (``pack_small_linear_q4_1``): uint8 ``[N/32, K/32, 640]`` for float32
+        x, or with ``bf16`` ``[N/32, K/32, 40, 16]`` for bfloat16 x (the weights rounded to bf16)."""
+        return ops.pack_small_linear_q4_1(self.codes, self.d, self.m, bf16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +115,10 @@ class Q8_0Codes:
         """The weights' rows one after another (a fused projection)."""
         return Q8_0Codes(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]))
 
-    def pack(self, ops: ModuleType) -> torch.Tensor:
-        """``ops.small_linear``'s packed copy, uint8 ``[N/32, K/32, 1088]`` (``pack_small_linear_q8_0``)."""
-        return ops.pack_small_linear_q8_0(self.codes, self.d)
+    def pack(self, ops: ModuleType, bf16: bool = False) -> torch.Tensor:
+        """``ops.small_linear``'s packed copy (``pack_small_linear_q8_0``): uint8 ``[N/32, K/32, 1088]`` for float32
+        x, or with ``bf16`` ``[N/32, K/32, 68, 16]`` for bfloat16 x (the weights rounded to bf16)."""
+        return ops.pack_small_linear_q8_0(self.codes, self.d, bf16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,13 +217,14 @@ def read_gguf_codes(
     num_kv_heads: int,
     table: Mapping[str, GGUFTensor] | None = None,
 ) -> dict[str, GGUFCodes]:
-    """The weights of ``weights`` whose GGUF tensors are all Q4_1 or all Q8_0 and dequantize to the weight bitwise.
+    """The weights of ``weights`` whose GGUF tensors are all Q4_1 or all Q8_0 and give the weight bitwise: their
+    float32 dequantization, rounded to nearest-even for a bfloat16 weight (as ``Tensor.to`` rounds).
 
     Call before the dense weights are dropped (``LlamaForCausalLM.prepack_cpu_weights``).
 
     Args:
         path: the ``.gguf`` file the model was loaded from.
-        weights: name -> its loaded float32 weight ``[N, K]``: our projections' module names
+        weights: name -> its loaded float32 or bfloat16 weight ``[N, K]``: our projections' module names
             (``model.layers.{i}.self_attn.qkv_proj``, ``...mlp.gate_up_proj``, ...) and :data:`LM_HEAD`; other
             names are ignored.
         num_heads, num_kv_heads: the model's query and KV heads (q's and k's rows are unpermuted by them).
@@ -247,12 +255,17 @@ def read_gguf_codes(
                 fused = Q4_1Codes.cat([_rope_rows(_from_blocks(data), h) for data, h in raw])
             else:
                 fused = Q8_0Codes.cat([_rope_rows(_q8_0_from_blocks(data), h) for data, h in raw])
-            usable = weight.dtype == torch.float32 and torch.equal(fused.dequantize(), weight.detach())
+            usable = weight.dtype in GGUF_CODE_DTYPES and torch.equal(fused.dequantize().to(weight.dtype), weight)
         except (ValueError, RuntimeError):  # a table whose shapes do not fit the weight (a damaged cache entry's)
             usable = False
         if usable:
             found[name] = fused
         else:
             kind_name = GGMLQuantizationType(kind).name
-            logger.warning("%s: the GGUF's %s codes do not give the loaded weight; kept in float32", name, kind_name)
+            logger.warning(
+                "%s: the GGUF's %s codes do not give the loaded weight; kept in %s",
+                name,
+                kind_name,
+                str(weight.dtype).removeprefix("torch."),
+            )
     return found

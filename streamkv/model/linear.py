@@ -30,12 +30,13 @@ weights (:data:`AMX_NARROW_MAX_COLUMNS` outputs or fewer) up to
 :data:`AMX_NARROW_MAX_ROWS` rows, where oneDNN often leaves a thread idle
 (:meth:`SmallMatmul.takes`; "Round 16").
 
-A float32 model loaded from a GGUF (the default model: Q4_1 projections, a
-Q8_0 tied embedding) keeps each Q4_1 or Q8_0 weight's small-batch copy as
-the GGUF's codes (:meth:`Linear.prepack` with ``codes``,
-:mod:`streamkv.model.gguf_codes`): the kernel dequantizes them as it
-streams them, ~5 or 8.5 bits a weight instead of 32, and its results are
-bitwise those of the float32 weights.
+A float32 or bfloat16 model loaded from a GGUF (the default model: Q4_1
+projections, a Q8_0 tied embedding) keeps each Q4_1 or Q8_0 weight's
+small-batch copy as the GGUF's codes (:meth:`Linear.prepack` with
+``codes``, :mod:`streamkv.model.gguf_codes`): the kernel dequantizes them as
+it streams them, ~5 or 8.5 bits a weight instead of 32 or 16, and its
+results are bitwise those of the float32 weights, or of their bf16
+rounding on the bf16 kernels (AMX tiles or ``vdpbf16ps``).
 
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
 ``int8``) keeps only int8 codes and a float32 scale per output, run by the
@@ -91,6 +92,9 @@ AMX_TILE_K = 32  # run_amx takes K in whole tile steps of 32; other weights run 
 INT8_MAX_ROWS = sys.maxsize
 INT8_MAX = 127
 
+# The dtypes whose weights the small-batch kernel can run from the GGUF's codes (has_gguf_kernel).
+GGUF_CODE_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def small_linear_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:
     """Most rows of ``x`` the small-batch kernel of ``ops`` takes for ``dtype`` weights; oneDNN takes more."""
@@ -115,10 +119,12 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.contiguous()
 
 
-def has_gguf_kernel(ops: ModuleType | None) -> TypeGuard[ModuleType]:
-    """Whether ``ops`` (:func:`streamkv.ops.cpu_ops.load_linear_ops`) runs float32 x on GGUF Q4_1 / Q8_0 codes
-    (AVX-512)."""
-    return ops is not None and bool(ops.small_linear_gguf_supported())
+def has_gguf_kernel(ops: ModuleType | None, dtype: torch.dtype = torch.float32) -> TypeGuard[ModuleType]:
+    """Whether ``ops`` (:func:`streamkv.ops.cpu_ops.load_linear_ops`) runs ``dtype`` x on GGUF Q4_1 / Q8_0 codes:
+    float32 on AVX-512, bfloat16 also needs AVX512-BF16; no other dtype."""
+    if ops is None or dtype not in GGUF_CODE_DTYPES or not ops.small_linear_gguf_supported():
+        return False
+    return dtype == torch.float32 or bool(ops.small_linear_gguf_bf16_supported())
 
 
 def has_int8_kernel(ops: ModuleType | None) -> TypeGuard[ModuleType]:
@@ -165,22 +171,23 @@ class SmallMatmul:
         codes: GGUFCodes | None = None,
     ) -> SmallMatmul:
         """Pack ``weight [N, K]`` (float32/bfloat16), or its int8 codes and scales ``int8 = (q, scale)``, or the
-        GGUF ``codes`` that give a float32 ``weight`` bitwise. The codes are taken where ``weight`` is float32 and
-        ``ops`` has the GGUF kernel (``has_gguf_kernel``); elsewhere ``weight`` itself is packed."""
+        GGUF ``codes`` that give ``weight`` bitwise (float32: their dequantization; bfloat16: its rounding). The
+        codes are taken where ``ops`` has the GGUF kernel for ``weight``'s dtype (``has_gguf_kernel``); elsewhere
+        ``weight`` itself is packed. Either way the same rows take the kernel, with the same results."""
         b = None if bias is None else bias.detach().float().contiguous()
-        if codes is not None and weight.dtype == torch.float32 and has_gguf_kernel(ops):
-            packed = codes.pack(ops)
-            max_rows = small_linear_max_rows(ops, torch.float32)
-            return cls(ops, packed, weight.shape[0], max_rows, None, b, max_rows)
         if int8 is not None:
             q, scale = int8
             packed = ops.pack_small_linear_int8(q.contiguous())
             return cls(ops, packed, q.shape[0], INT8_MAX_ROWS, scale, b, INT8_MAX_ROWS)
-        w = weight.detach().contiguous()
+        w = weight.detach()
         max_rows = small_linear_max_rows(ops, w.dtype)
         narrow = w.dtype == torch.bfloat16 and w.shape[0] <= AMX_NARROW_MAX_COLUMNS and w.shape[1] % AMX_TILE_K == 0
         amx_rows = max(max_rows, AMX_NARROW_MAX_ROWS) if narrow else max_rows
-        return cls(ops, ops.pack_small_linear(w), w.shape[0], max_rows, None, b, amx_rows)
+        if codes is not None and has_gguf_kernel(ops, w.dtype):
+            packed = codes.pack(ops, bf16=w.dtype == torch.bfloat16)
+        else:
+            packed = ops.pack_small_linear(w.contiguous())
+        return cls(ops, packed, w.shape[0], max_rows, None, b, amx_rows)
 
     def takes(self, rows: int) -> bool:
         """Whether ``rows`` rows of ``x`` run on this kernel (else oneDNN): ``max_rows``, or ``amx_rows`` under AMX."""
@@ -246,10 +253,10 @@ class Linear(nn.Linear):
         """Reorder the weight for oneDNN and, given ``small_ops``, for the small-batch kernel; drop the dense copy.
 
         Where that kernel takes every batch size (fp32 on an AVX2 build) no
-        oneDNN copy is kept. Given ``codes``, the GGUF codes of a float32
-        weight (which they give bitwise, :mod:`streamkv.model.gguf_codes`), and
-        a build with the GGUF kernel, that kernel takes the small batches from
-        the codes instead of a float32 copy.
+        oneDNN copy is kept. Given ``codes``, the GGUF codes of a float32 or
+        bfloat16 weight (which they give bitwise, :mod:`streamkv.model.gguf_codes`),
+        and a build with the GGUF kernel for that dtype, that kernel takes the
+        small batches from the codes instead of a dense copy.
 
         With ``int8`` the weight becomes its int8 model (:func:`quantize_int8`)
         and, when the build has the int8 kernel, only the int8 codes are kept:

@@ -276,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
                 (:func:`streamkv.model.linear.quantize_int8`, one scale per output),
                 run by the int8 kernel at every batch size when ``small_ops`` has it
                 (else dequantized, on oneDNN); the embedding lookups keep the dense table.
-            codes: module name (and ``"lm_head"``) -> the GGUF codes of its float32 weight
+            codes: module name (and ``"lm_head"``) -> the GGUF codes of its float32 or bfloat16 weight
                 (:func:`streamkv.model.gguf_codes.read_gguf_codes`): those matmuls' small batches
                 run on the codes (:meth:`Linear.prepack`).
 

@@ -233,11 +233,12 @@ def from_hf(
         quantization: ``int8`` for weight-only int8 projections and LM head
             (``ModelConfig.quantization``): oneDNN runs the dequantized weights
             for large batches, the small-batch kernel the int8 codes.
-        gguf_codes: a float32 model from a GGUF runs the decode-sized matmuls
-            of its Q4_1 and Q8_0 weights (the default model's projections and LM
-            head) on the GGUF's codes (:mod:`streamkv.model.gguf_codes`; bitwise
-            the float32 results, ~5 or 8.5 bits a weight streamed instead of 32)
-            where the small-batch kernel has them; False keeps float32 copies.
+        gguf_codes: a float32 or bfloat16 model from a GGUF runs the
+            decode-sized matmuls of its Q4_1 and Q8_0 weights (the default
+            model's projections and LM head) on the GGUF's codes
+            (:mod:`streamkv.model.gguf_codes`; bitwise the results on the loaded
+            weights, ~5 or 8.5 bits a weight streamed instead of 32 or 16) where
+            the small-batch kernel has them for the dtype; False keeps dense copies.
 
     Raises:
         ValueError: an unsupported architecture or RoPE scaling; ``int8`` off the
@@ -271,7 +272,7 @@ def from_hf(
             small_ops = None  # no AVX512-BF16: the float kernel is fp32 only (int8 codes take bf16 rows on any VNNI)
     codes = None
     gguf = checkpoint.gguf
-    if gguf_codes and gguf is not None and dtype == torch.float32 and not int8 and has_gguf_kernel(small_ops):
+    if gguf_codes and gguf is not None and not int8 and has_gguf_kernel(small_ops, dtype):
         from streamkv.model.gguf_codes import LM_HEAD, read_gguf_codes
 
         weights = {name: m.weight for name, m in model.named_modules() if isinstance(m, Linear)}
@@ -279,8 +280,9 @@ def from_hf(
         heads = (config.num_attention_heads, config.num_key_value_heads)
         codes = read_gguf_codes(gguf, weights, *heads, table=checkpoint.gguf_tensors)
         kinds = Counter(type(c).__name__.removesuffix("Codes") for c in codes.values())
-        logger.info("%d matmuls' small batches run on the GGUF's codes (%s; bitwise float32)", len(codes),
-                    ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))  # fmt: skip
+        found = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        logger.info("%d matmuls' small batches run on the GGUF's codes (%s; bitwise %s)", len(codes), found,
+                    str(dtype).removeprefix("torch."))  # fmt: skip
     if prepack and device.type == "cpu" and not model.prepack_cpu_weights(small_ops=small_ops, int8=int8, codes=codes):
         if int8:
             raise ValueError(f"--quantization int8 needs oneDNN matmuls in {dtype}, which this CPU cannot run")

@@ -131,3 +131,36 @@ def test_bf16_perplexity_within_half_a_percent_of_fp32(
         print(f"\nperplexity over {len(ids)} tokens: fp32 {fp32:.4f}, bf16 {bf16:.4f} ({bf16 / fp32 - 1:+.3%})")
     assert 1.0 < fp32 < 100.0  # the text is ordinary English: a working model finds it easy
     assert abs(bf16 / fp32 - 1) <= 0.005
+
+
+def test_bf16_matmuls_run_on_the_ggufs_codes_bitwise(
+    smollm2_bf16: LoadedModel, smollm2_checkpoint: HFCheckpoint
+) -> None:
+    """A bf16 load keeps every projection's Q4_1 codes and the LM head's Q8_0 codes (they round to the loaded bf16
+    weights; the loader checks that), and the kernel on them gives the dense bf16 kernel's bits: at decode rows,
+    and, on AMX, at the narrow weights' prefill rows. Greedy tokens then match a load without the codes."""
+    from streamkv.model.linear import Linear, has_gguf_kernel
+    from streamkv.ops.cpu_ops import load_linear_ops
+
+    ops = load_linear_ops()
+    if not has_gguf_kernel(ops, torch.bfloat16):
+        pytest.skip("the bf16 GGUF kernel needs AVX512-BF16")
+    dense = from_hf(smollm2_checkpoint, torch.bfloat16, torch.device("cpu"), gguf_codes=False)
+    pairs = [
+        (m.small, dense.model.get_submodule(name).small)
+        for name, m in smollm2_bf16.model.named_modules()
+        if isinstance(m, Linear)
+    ]
+    assert len(pairs) == 4 * smollm2_bf16.model.config.num_hidden_layers
+    pairs.append((smollm2_bf16.model.small_lm_head, dense.model.small_lm_head))
+    for ours, reference in pairs:
+        assert ours is not None and ours.packed.dtype == torch.uint8
+        assert reference is not None and reference.packed.dtype == torch.bfloat16
+        assert (ours.max_rows, ours.amx_rows) == (reference.max_rows, reference.amx_rows)
+        for rows in sorted({1, 13, 40, ours.amx_rows if ours.amx_rows <= 1024 else 0} - {0}):
+            x = torch.randn(rows, 2 * reference.packed.shape[1]).bfloat16()
+            assert torch.equal(ours(x), reference(x)), rows
+    prompts = [ChatFormatter(smollm2_bf16.tokenizer).first_turn(q) for q in ("Name a colour.", "What is 2 + 2?")]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = [LLM(loaded=loaded, device="cpu").generate(prompts, params) for loaded in (smollm2_bf16, dense)]
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]

@@ -416,11 +416,17 @@ inline void amx_pass(const char* a, int64_t a_stride, const char* w, int64_t k_t
 // K a multiple of 32 (the tiles take whole steps); other shapes run the vdpbf16ps kernel.
 bool amx_takes(int64_t k) { return k % AMX_K == 0; }
 
-// out [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias) on AMX tiles, W packed as for run<at::BFloat16>. Rows go 32
-// at a time (two A tiles against the same two B tiles); past 16 rows x is copied into rows padded to a
-// multiple of 16 with zeros, so a tile never reads past x. Each thread walks its contiguous range of pairs
-// in the order AMX_PANEL_MAJOR_ROWS picks; a row's result is the same in either order.
-void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+// out [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias) on AMX tiles, each pair's panel in run<at::BFloat16>'s packed
+// layout. Rows go 32 at a time (two A tiles against the same two B tiles); past 16 rows x is copied into rows
+// padded to a multiple of 16 with zeros, so a tile never reads past x. Each thread walks its contiguous range of
+// pairs in the order AMX_PANEL_MAJOR_ROWS picks; a row's result is the same in either order. panels(p0, p1)
+// gives pair p0's panel with those of pairs p0 + 1 .. p1 - 1 after it (panel_bytes apart), read until its next
+// call on the same thread: the packed weight itself (run_amx), or codes dequantized into a buffer (run_gguf_bf16).
+// pass_fn(a, a_stride, panel, two, c) runs one pass's tiles over a panel into c: amx_pass, unless the panel is
+// codes that the pass dequantizes a tile step at a time (amx_pass_codes).
+template <typename Panels, typename Pass>
+void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const float* bias, int64_t n,
+                    int64_t panel_bytes, const Panels& panels, const Pass& pass_fn) {
   const int64_t m = x.size(0), k = x.size(1);
   if (m == 0) return;
   // Fewer than 16 rows (a small decode batch): the A and C tiles are configured with m rows, so a tile step
@@ -436,9 +442,6 @@ void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
   const int64_t x_stride = xs.stride(0) * 2;
   at::BFloat16* yp = out.data_ptr<at::BFloat16>();
   const int64_t y_stride = out.stride(0);
-  const char* wp = reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>());
-  const int64_t pairs = packed.size(0), k_tiles = k / AMX_K;
-  const int64_t panel_bytes = k_tiles * AMX_STEP_BYTES;
   const int64_t blocks = (mp + AMX_ROWS - 1) / AMX_ROWS, passes = (blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     TileConfig cfg;
@@ -448,14 +451,10 @@ void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
     }
     _tile_loadconfig(&cfg);
     alignas(64) float c[2 * AMX_ROWS * 32];
-    auto tile_pass = [&](int64_t pair, int64_t pass) {
-      const char* w = wp + pair * panel_bytes;
+    auto tile_pass = [&](int64_t pair, int64_t pass, const char* w) {
       const int64_t r0 = 2 * pass * AMX_ROWS;
       const bool two = 2 * pass + 1 < blocks;
-      if (two)
-        amx_pass<true>(xp + r0 * x_stride, x_stride, w, k_tiles, c);
-      else
-        amx_pass<false>(xp + r0 * x_stride, x_stride, w, k_tiles, c);
+      pass_fn(xp + r0 * x_stride, x_stride, w, two, c);
       const int64_t rows = std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0);
       for (int cb = 0; cb < 2; ++cb) {
         const int64_t col = (2 * pair + cb) * LANES;
@@ -468,15 +467,238 @@ void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
       }
     };
     if (m <= AMX_PANEL_MAJOR_ROWS) {
-      for (int64_t pair = begin; pair < end; ++pair)
-        for (int64_t pass = 0; pass < passes; ++pass) tile_pass(pair, pass);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const char* w = panels(pair, pair + 1);
+        for (int64_t pass = 0; pass < passes; ++pass) tile_pass(pair, pass, w);
+      }
     } else {
       const int64_t chunk = panel_bytes > 0 ? std::max<int64_t>(1, AMX_CHUNK_BYTES / panel_bytes) : end - begin;
-      for (int64_t p0 = begin; p0 < end; p0 += chunk)
+      for (int64_t p0 = begin; p0 < end; p0 += chunk) {
+        const int64_t p1 = std::min(end, p0 + chunk);
+        const char* w = panels(p0, p1);
         for (int64_t pass = 0; pass < passes; ++pass)
-          for (int64_t pair = p0; pair < std::min(end, p0 + chunk); ++pair) tile_pass(pair, pass);
+          for (int64_t pair = p0; pair < p1; ++pair) tile_pass(pair, pass, w + (pair - p0) * panel_bytes);
+      }
     }
     _tile_release();
+  });
+}
+
+// One amx_pass (k_tiles tile steps) over a panel in pack_small_linear's bf16 layout.
+struct PanelPass {
+  int64_t k_tiles;
+  void operator()(const char* a, int64_t a_stride, const char* w, bool two, float* c) const {
+    if (two)
+      amx_pass<true>(a, a_stride, w, k_tiles, c);
+    else
+      amx_pass<false>(a, a_stride, w, k_tiles, c);
+  }
+};
+
+// run_amx_panels on a packed bf16 weight (pack_small_linear).
+void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+  const char* wp = reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>());
+  const int64_t k_tiles = x.size(1) / AMX_K, panel_bytes = k_tiles * AMX_STEP_BYTES;
+  run_amx_panels(out, x, packed.size(0), bias, n, panel_bytes,
+                 [&](int64_t p0, int64_t) { return wp + p0 * panel_bytes; }, PanelPass{k_tiles});
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bf16 x on GGUF codes (run_gguf_bf16): a bf16 model loaded from the GGUF holds bf16(d * q + m) or bf16(d * q),
+// the fp32 dequantization rounded once to nearest-even. Each pair's panel is dequantized exactly in fp32, as
+// run_gguf does it, rounded by vcvtne2ps2bf16 (nearest-even; it reads a subnormal as zero, and d * q + m of fp16
+// d and m is zero or at least 2^-24, never subnormal) and laid out as pack_small_linear lays out a bf16 weight,
+// so the panel holds the bf16 weight's packed bytes and the tile (or vdpbf16ps) kernel's results are bitwise
+// those on the bf16 weight. Its own code layout (pack_small_linear_q4_1_bf16 / _q8_0_bf16) puts each step pair's
+// codes in the panel's lane order, (column j, k), (column j, k + 1), ..., so a 16-byte load is 8 columns x 2 k
+// and two of them round into one 64-byte line of the panel with no shuffle. A step pair of a pair reads 32
+// (Q4_1) or 64 (Q8_0) bytes of codes where bf16 reads 128. A 32-k block of a pair (the lines of 16 bytes):
+//   Q4_1, Q4_1_BF16_LINES: line 2 t + h, t < 16, h < 2: byte 2 j + i holds column 8 h + j's code at k = 2 t + i
+//        (low nibble) and column 16 + 8 h + j's (high); lines 32-35 d and 36-39 m of the 32 columns, fp16
+//   Q8_0, Q8_0_BF16_LINES: line 4 t + 2 c + h: byte 2 j + i is column 16 c + 8 h + j's int8 code at k = 2 t + i;
+//        lines 64-67 d of the 32 columns, fp16
+constexpr int64_t Q4_1_BF16_LINES = 40;
+constexpr int64_t Q8_0_BF16_LINES = 68;
+
+// Lane l of the result is lane 8 h + l / 2 of v: each of 8 columns' d (or m) twice, for its (k, k + 1) lanes.
+inline __m512 column_pairs(__m512 v, int h) {
+  const __m512i index = _mm512_add_epi32(_mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
+                                                                             4, 3, 2, 1, 0), 1),
+                                         _mm512_set1_epi32(8 * h));
+  return _mm512_permutexvar_ps(index, v);
+}
+
+inline __m512 half_to_float16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One 32-k block of a pair (16 step pairs x 2 column blocks) into 16 x 64 bf16 of the panel.
+struct Q4_1Bf16 {
+  static constexpr int64_t BYTES = Q4_1_BF16_LINES * 16;
+  static void dequantize(const uint8_t* blk, uint16_t* dst) {
+    __m512 d[2][2], m[2][2];  // [column block][half]
+    for (int c = 0; c < 2; ++c) {
+      const __m512 dc = half_to_float16(blk + 512 + 32 * c), mc = half_to_float16(blk + 576 + 32 * c);
+      for (int h = 0; h < 2; ++h) {
+        d[c][h] = column_pairs(dc, h);
+        m[c][h] = column_pairs(mc, h);
+      }
+    }
+    const __m512i low = _mm512_set1_epi32(0xF);
+    for (int64_t t = 0; t < GGUF_K / 2; ++t) {
+      __m512 w[2][2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i q =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (2 * t + h) * 16)));
+        w[0][h] = _mm512_fmadd_ps(d[0][h], _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), m[0][h]);
+        w[1][h] = _mm512_fmadd_ps(d[1][h], _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), m[1][h]);
+      }
+      for (int c = 0; c < 2; ++c)
+        _mm512_store_si512(dst + t * 4 * LANES + c * 2 * LANES, (__m512i)_mm512_cvtne2ps_pbh(w[c][1], w[c][0]));
+    }
+  }
+};
+
+struct Q8_0Bf16 {
+  static constexpr int64_t BYTES = Q8_0_BF16_LINES * 16;
+  static void dequantize(const uint8_t* blk, uint16_t* dst) {
+    __m512 d[2][2];
+    for (int c = 0; c < 2; ++c) {
+      const __m512 dc = half_to_float16(blk + 1024 + 32 * c);
+      for (int h = 0; h < 2; ++h) d[c][h] = column_pairs(dc, h);
+    }
+    for (int64_t t = 0; t < GGUF_K / 2; ++t)
+      for (int c = 0; c < 2; ++c) {
+        __m512 w[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (4 * t + 2 * c + h) * 16));
+          w[h] = _mm512_mul_ps(d[c][h], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+        }
+        _mm512_store_si512(dst + t * 4 * LANES + c * 2 * LANES, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+      }
+  }
+};
+
+// A pair's whole panel dequantized into bf16 in pack_small_linear's layout [K/2, 2, 16, 2] (panel: 64-byte
+// aligned), the next pair's codes asked for a block's lines at each block (next: none when null).
+template <typename Layout>
+inline void dequantize_pair_bf16(const uint8_t* w, int64_t blocks, const uint8_t* next, uint16_t* panel) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (next != nullptr)
+      for (int64_t l = 0; l < Layout::BYTES / 64; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(next) + b * Layout::BYTES + l * 64, _MM_HINT_T1);
+    Layout::dequantize(w + b * Layout::BYTES, panel + b * GGUF_K * 2 * LANES);
+  }
+}
+
+#if defined(STREAMKV_AMX)
+// amx_pass over a pair's codes: a GGUF block of 32 k is one tile step, so each block is dequantized into a 2 KB
+// tile step (two in turn, so a step's stores need not wait on the loads of the one before) and loaded from L1
+// straight away: the weights take no trip through a whole panel. The tile sums are amx_pass's on the same bytes.
+template <typename Layout>
+struct CodesPass {
+  int64_t blocks;
+  template <bool TWO>
+  void run(const char* a, int64_t a_stride, const uint8_t* w, float* c_out) const {
+    alignas(64) uint16_t steps[2][AMX_STEP_BYTES / 2];
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (TWO) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t t = 0; t < blocks; ++t) {
+      for (int64_t l = 0; l < Layout::BYTES / 64; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(w) + (t + 2) * Layout::BYTES + l * 64, _MM_HINT_T0);
+      uint16_t* b = steps[t & 1];
+      Layout::dequantize(w + t * Layout::BYTES, b);
+      _tile_loadd(6, b, 128);
+      _tile_loadd(7, b + 2 * LANES, 128);
+      _tile_loadd(4, a + t * AMX_K * 2, a_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (TWO) {
+        _tile_loadd(5, a + AMX_ROWS * a_stride + t * AMX_K * 2, a_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c_out, 128);
+    _tile_stored(1, c_out + LANES, 128);
+    if constexpr (TWO) {
+      _tile_stored(2, c_out + AMX_ROWS * 32, 128);
+      _tile_stored(3, c_out + AMX_ROWS * 32 + LANES, 128);
+    }
+  }
+  void operator()(const char* a, int64_t a_stride, const char* w, bool two, float* c) const {
+    const auto* codes = reinterpret_cast<const uint8_t*>(w);
+    if (two)
+      run<true>(a, a_stride, codes, c);
+    else
+      run<false>(a, a_stride, codes, c);
+  }
+};
+#endif
+
+// y = x W^T (+ b) for bf16 x and out, W as GGUF codes in Layout's order, packed [N/32, K/32, Layout::BYTES / 16,
+// 16]. On AMX, up to 32 rows (one pass over each pair: decode batches) run_amx_panels runs CodesPass on the codes
+// themselves; more rows, over panels dequantized into a thread-local buffer, one pair at a time up to
+// AMX_PANEL_MAJOR_ROWS rows and a chunk of pairs (AMX_CHUNK_BYTES of bf16) past them, each panel dequantized once
+// a call. Without AMX: run()'s passes of vdpbf16ps over each pair's dequantized panel. Either way a row's result
+// is the dense bf16 kernel's on the dequantized bf16 weight, bitwise, whatever its batch.
+template <typename Layout>
+void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1), pairs = packed.size(0);
+  if (m == 0) return;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t pair_bytes = blocks * Layout::BYTES;
+  const int64_t panel_elems = k * 2 * LANES;  // bf16 of a pair's panel
+  // A 64-byte-aligned buffer of `elems` bf16 on the calling thread, kept for its next calls.
+  auto buffer = [](int64_t elems) {
+    thread_local std::vector<uint16_t> storage;
+    storage.resize(elems + 32);
+    return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  };
+#if defined(STREAMKV_AMX)
+  if (amx_takes(k) && amx_on()) {
+    if (m <= 2 * AMX_ROWS) {
+      const char* codes = reinterpret_cast<const char*>(wp);
+      run_amx_panels(out, x, pairs, bias, n, pair_bytes, [&](int64_t p0, int64_t) { return codes + p0 * pair_bytes; },
+                     CodesPass<Layout>{blocks});
+      return;
+    }
+    const int64_t panel_bytes = panel_elems * 2;
+    run_amx_panels(
+        out, x, pairs, bias, n, panel_bytes,
+        [&](int64_t p0, int64_t p1) {
+          uint16_t* panel = buffer((p1 - p0) * panel_elems);
+          for (int64_t pair = p0; pair < p1; ++pair) {
+            const uint8_t* w = wp + pair * pair_bytes;
+            dequantize_pair_bf16<Layout>(w, blocks, pair + 1 < pairs ? w + pair_bytes : nullptr,
+                                         panel + (pair - p0) * panel_elems);
+          }
+          return reinterpret_cast<const char*>(panel);
+        },
+        PanelPass{k / AMX_K});
+    return;
+  }
+#endif
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = out.data_ptr<at::BFloat16>();
+  const int64_t passes = (m + FLOAT_ROWS - 1) / FLOAT_ROWS;
+  const int64_t rows_per_pass = (m + passes - 1) / passes;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    uint16_t* panel = buffer(panel_elems);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const uint8_t* w = wp + pair * pair_bytes;
+      const int64_t col = pair * 2 * LANES;
+      dequantize_pair_bf16<Layout>(w, blocks, pair + 1 < end ? w + pair_bytes : nullptr, panel);
+      for (int64_t m0 = 0; m0 < m; m0 += rows_per_pass)
+        column_pair_rows<at::BFloat16>(std::min(rows_per_pass, m - m0), xp, x.stride(0), yp + col, out.stride(0),
+                                       reinterpret_cast<const at::BFloat16*>(panel), bias ? bias + col : nullptr,
+                                       m0, 0, n - col, k / 2, nullptr, 0);
+    }
   });
 }
 #endif
@@ -847,10 +1069,20 @@ bool small_linear_gguf_supported() {
 #endif
 }
 
-// GGUF Q4_1 blocks of a [N, K] weight -> run_gguf's layout (N padded to a multiple of 32 with zero columns):
-// codes [N, K/2] uint8, GGUF's order within each block of 32 (byte i: element i in the low nibble, element 16 + i
-// in the high); d, m [N, K/32] float16, the blocks' scales and minima. W[n, k] = d * q + m in fp32.
-at::Tensor pack_small_linear_q4_1(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+// ... and under bfloat16 x (run_gguf_bf16: the bf16 rounding of those weights, on the bf16 kernels).
+bool small_linear_gguf_bf16_supported() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// GGUF Q4_1 blocks of a [N, K] weight -> run_gguf's layout [N/32, K/32, 640], or with bf16 run_gguf_bf16's
+// [N/32, K/32, 40, 16] (N padded to a multiple of 32 with zero columns): codes [N, K/2] uint8, GGUF's order within
+// each block of 32 (byte i: element i in the low nibble, element 16 + i in the high); d, m [N, K/32] float16, the
+// blocks' scales and minima. W[n, k] = d * q + m in fp32.
+at::Tensor pack_small_linear_q4_1(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool bf16) {
   TORCH_CHECK(small_linear_gguf_supported(), "Q4_1 small_linear needs AVX-512");
   TORCH_CHECK(codes.dim() == 2 && !codes.is_cuda() && codes.scalar_type() == at::kByte,
               "codes must be a CPU uint8 [N, K/2]");
@@ -862,7 +1094,9 @@ at::Tensor pack_small_linear_q4_1(const at::Tensor& codes, const at::Tensor& d, 
                 "d and m must be CPU float16 [N, K/32]");
   const at::Tensor c = codes.contiguous(), dc = d.contiguous(), mc = m.contiguous();
   const int64_t pairs = padded(n, 2 * LANES) / (2 * LANES);
-  at::Tensor out = at::zeros({pairs, blocks, Q4_1_BLOCK_BYTES}, codes.options());
+  TORCH_CHECK(!bf16 || small_linear_gguf_bf16_supported(), "bf16 GGUF small_linear needs AVX512-BF16");
+  at::Tensor out = bf16 ? at::zeros({pairs, blocks, Q4_1_BLOCK_BYTES / 16, 16}, codes.options())
+                        : at::zeros({pairs, blocks, Q4_1_BLOCK_BYTES}, codes.options());
   uint8_t* o = out.data_ptr<uint8_t>();
   const uint8_t* cp = c.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
@@ -876,7 +1110,9 @@ at::Tensor pack_small_linear_q4_1(const at::Tensor& codes, const at::Tensor& d, 
         const uint8_t* src = cp + row * (k / 2) + b * (GGUF_K / 2);
         for (int64_t e = 0; e < GGUF_K; ++e) {
           const uint8_t q = e < GGUF_K / 2 ? src[e] & 0xF : src[e - GGUF_K / 2] >> 4;
-          blk[e * LANES + j] |= static_cast<uint8_t>(q << (4 * high));
+          // bf16: line 2 t + h (t = e / 2, h = j / 8), byte 2 (j % 8) + e % 2 (see Q4_1Bf16)
+          const int64_t at = bf16 ? (e / 2 * 2 + j / 8) * 16 + 2 * (j % 8) + e % 2 : e * LANES + j;
+          blk[at] |= static_cast<uint8_t>(q << (4 * high));
         }
         std::memcpy(blk + 512 + 2 * col, dp + row * blocks + b, 2);
         std::memcpy(blk + 576 + 2 * col, mp + row * blocks + b, 2);
@@ -886,9 +1122,10 @@ at::Tensor pack_small_linear_q4_1(const at::Tensor& codes, const at::Tensor& d, 
   return out;
 }
 
-// GGUF Q8_0 blocks of a [N, K] weight -> run_gguf's layout (N padded to a multiple of 32 with zero columns):
-// codes [N, K] int8; d [N, K/32] float16, the blocks' scales. W[n, k] = d * q in fp32.
-at::Tensor pack_small_linear_q8_0(const at::Tensor& codes, const at::Tensor& d) {
+// GGUF Q8_0 blocks of a [N, K] weight -> run_gguf's layout [N/32, K/32, 1088], or with bf16 run_gguf_bf16's
+// [N/32, K/32, 68, 16] (N padded to a multiple of 32 with zero columns): codes [N, K] int8; d [N, K/32] float16,
+// the blocks' scales. W[n, k] = d * q in fp32.
+at::Tensor pack_small_linear_q8_0(const at::Tensor& codes, const at::Tensor& d, bool bf16) {
   TORCH_CHECK(small_linear_gguf_supported(), "Q8_0 small_linear needs AVX-512");
   TORCH_CHECK(codes.dim() == 2 && !codes.is_cuda() && codes.scalar_type() == at::kChar,
               "codes must be a CPU int8 [N, K]");
@@ -898,7 +1135,10 @@ at::Tensor pack_small_linear_q8_0(const at::Tensor& codes, const at::Tensor& d) 
               "d must be CPU float16 [N, K/32]");
   const at::Tensor c = codes.contiguous(), dc = d.contiguous();
   const int64_t pairs = padded(n, 2 * LANES) / (2 * LANES);
-  at::Tensor out = at::zeros({pairs, blocks, Q8_0_BLOCK_BYTES}, codes.options().dtype(at::kByte));
+  TORCH_CHECK(!bf16 || small_linear_gguf_bf16_supported(), "bf16 GGUF small_linear needs AVX512-BF16");
+  const auto bytes = codes.options().dtype(at::kByte);
+  at::Tensor out = bf16 ? at::zeros({pairs, blocks, Q8_0_BLOCK_BYTES / 16, 16}, bytes)
+                        : at::zeros({pairs, blocks, Q8_0_BLOCK_BYTES}, bytes);
   uint8_t* o = out.data_ptr<uint8_t>();
   const auto* cp = reinterpret_cast<const uint8_t*>(c.data_ptr<int8_t>());
   const auto* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
@@ -908,7 +1148,9 @@ at::Tensor pack_small_linear_q8_0(const at::Tensor& codes, const at::Tensor& d) 
       for (int64_t b = 0; b < blocks; ++b) {
         uint8_t* blk = o + ((row / (2 * LANES)) * blocks + b) * Q8_0_BLOCK_BYTES;
         const uint8_t* src = cp + row * k + b * GGUF_K;
-        for (int64_t e = 0; e < GGUF_K; ++e) blk[e * 2 * LANES + col] = src[e];
+        // bf16: line 4 t + 2 c + h (t = e / 2, c = col / 16, h = col % 16 / 8), byte 2 (col % 8) + e % 2
+        for (int64_t e = 0; e < GGUF_K; ++e)
+          blk[bf16 ? (e / 2 * 4 + col / 8) * 16 + 2 * (col % 8) + e % 2 : e * 2 * LANES + col] = src[e];
         std::memcpy(blk + 1024 + 2 * col, dp + row * blocks + b, 2);
       }
     }
@@ -946,20 +1188,37 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
               "x and out must be [M, K] and [M, N] with unit last strides");
   if (packed.scalar_type() == at::kByte) {  // GGUF codes (pack_small_linear_q4_1 / _q8_0)
     TORCH_CHECK(small_linear_gguf_supported(), "GGUF small_linear needs AVX-512");
-    TORCH_CHECK(dtype == at::kFloat && out.scalar_type() == dtype, "GGUF codes take float32 x and out");
+    TORCH_CHECK((dtype == at::kFloat || (dtype == at::kBFloat16 && small_linear_gguf_bf16_supported())) &&
+                    out.scalar_type() == dtype,
+                "GGUF codes take float32 x and out, or bfloat16 ones with AVX512-BF16");
+    const bool bf16 = dtype == at::kBFloat16;
+    // The layout of each dtype (pack_small_linear_q4_1 / _q8_0 with bf16 or without) and which quantization.
+    const bool fits = bf16 ? packed.dim() == 4 && packed.size(3) == 16 : packed.dim() == 3;
+    const int64_t block_bytes = fits ? packed.size(2) * (bf16 ? 16 : 1) : 0;
+    const bool q4_1 = block_bytes == Q4_1_BLOCK_BYTES;
+    TORCH_CHECK(packed.is_contiguous() && (q4_1 || block_bytes == Q8_0_BLOCK_BYTES),
+                "packed must come from pack_small_linear_q4_1 or pack_small_linear_q8_0 with bf16=",
+                bf16 ? "True" : "False", " for ", bf16 ? "bfloat16" : "float32", " x");
     const int64_t n = out.size(1), k = x.size(1);
-    const bool q4_1 = packed.dim() == 3 && packed.size(2) == Q4_1_BLOCK_BYTES;
-    TORCH_CHECK(packed.is_contiguous() && (q4_1 || (packed.dim() == 3 && packed.size(2) == Q8_0_BLOCK_BYTES)),
-                "packed must come from pack_small_linear_q4_1 or pack_small_linear_q8_0");
     TORCH_CHECK(packed.size(0) == padded(n, 2 * LANES) / (2 * LANES) && packed.size(1) * 32 == k,
                 "packed was made for another N or K than ", n, " x ", k);
     const at::Tensor b32 = bias_f32(bias, n);
 #if defined(__AVX512F__)
     const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
-    if (q4_1)
-      run_gguf<Q4_1Block>(out, x, packed, bp, n);
-    else
-      run_gguf<Q8_0Block>(out, x, packed, bp, n);
+    if (!bf16) {
+      if (q4_1)
+        run_gguf<Q4_1Block>(out, x, packed, bp, n);
+      else
+        run_gguf<Q8_0Block>(out, x, packed, bp, n);
+    }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (bf16) {
+      if (q4_1)
+        run_gguf_bf16<Q4_1Bf16>(out, x, packed, bp, n);
+      else
+        run_gguf_bf16<Q8_0Bf16>(out, x, packed, bp, n);
+    }
 #endif
     return;
   }
@@ -1058,10 +1317,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_int8_supported", &small_linear_int8_supported, "whether this build has the int8 kernel");
   m.def("small_linear_gguf_supported", &small_linear_gguf_supported,
         "whether this build runs GGUF Q4_1 and Q8_0 codes (float32 x)");
+  m.def("small_linear_gguf_bf16_supported", &small_linear_gguf_bf16_supported,
+        "whether this build also runs them under bfloat16 x (the weights rounded to bf16)");
   m.def("pack_small_linear_q4_1", &pack_small_linear_q4_1,
-        "pack GGUF Q4_1 codes [N, K/2] with their float16 d, m [N, K/32] for small_linear (float32 x)");
+        "pack GGUF Q4_1 codes [N, K/2] with their float16 d, m [N, K/32] for small_linear (float32 x, or bf16)",
+        py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false);
   m.def("pack_small_linear_q8_0", &pack_small_linear_q8_0,
-        "pack GGUF Q8_0 codes [N, K] int8 with their float16 d [N, K/32] for small_linear (float32 x)");
+        "pack GGUF Q8_0 codes [N, K] int8 with their float16 d [N, K/32] for small_linear (float32 x, or bf16)",
+        py::arg("codes"), py::arg("d"), py::arg("bf16") = false);
   m.def("pack_small_linear_int8", &pack_small_linear_int8, "pack an int8 [N, K] weight for small_linear_int8");
   m.def("small_linear_int8", &small_linear_int8,
         "out = (x @ q^T) * scale (+ bias) for few rows, q packed int8 (CPU, fp32/bf16 x)", py::arg("out"),
