@@ -40,11 +40,12 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from streamkv.model.linear import GGUF_CODE_DTYPES
-
 logger = logging.getLogger(__name__)
 
 GGUF_BLOCK = 32  # weights per block (Q4_1 and Q8_0)
+# The dtypes of the loaded weights the codes can stand for (streamkv.model.linear.has_gguf_kernel says which a
+# build runs): float32, their dequantization; bfloat16, its rounding to nearest-even.
+GGUF_CODE_DTYPES = (torch.float32, torch.bfloat16)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of codes (element i low nibble of byte i, 16 + i high)
 Q8_0_BLOCK_BYTES = 34  # float16 d, 32 int8 codes
 

@@ -54,6 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from streamkv.model.gguf_codes import GGUF_CODE_DTYPES
+
 if TYPE_CHECKING:
     from streamkv.model.gguf_codes import GGUFCodes
 
@@ -91,9 +93,6 @@ AMX_TILE_K = 32  # run_amx takes K in whole tile steps of 32; other weights run 
 # for every row count keeps a row's result independent of the batch it is in.
 INT8_MAX_ROWS = sys.maxsize
 INT8_MAX = 127
-
-# The dtypes whose weights the small-batch kernel can run from the GGUF's codes (has_gguf_kernel).
-GGUF_CODE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def small_linear_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:

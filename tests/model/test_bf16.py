@@ -157,7 +157,7 @@ def test_bf16_matmuls_run_on_the_ggufs_codes_bitwise(
         assert ours is not None and ours.packed.dtype == torch.uint8
         assert reference is not None and reference.packed.dtype == torch.bfloat16
         assert (ours.max_rows, ours.amx_rows) == (reference.max_rows, reference.amx_rows)
-        for rows in sorted({1, 13, 40, ours.amx_rows if ours.amx_rows <= 1024 else 0} - {0}):
+        for rows in (1, 13, 40, ours.amx_rows):  # amx_rows: 128, or 1,024 for a narrow weight
             x = torch.randn(rows, 2 * reference.packed.shape[1]).bfloat16()
             assert torch.equal(ours(x), reference(x)), rows
     prompts = [ChatFormatter(smollm2_bf16.tokenizer).first_turn(q) for q in ("Name a colour.", "What is 2 + 2?")]

@@ -1,7 +1,7 @@
 // y = x W^T (+ b) for the few rows of a decode step, streaming W once at memory speed (CPU, fp32 / bf16 / int8 /
 // GGUF Q4_1 and Q8_0 W). Which kernels a build has: fp32 weights (and GGUF codes under fp32 x) on any AVX-512 CPU;
-// bf16 weights with AVX512-BF16 (vdpbf16ps); int8 weights with AVX-512 VNNI (vpdpwssd; Cascade Lake, Ice Lake
-// and later, Zen 4). AVX2 builds (no AVX-512) run fp32 weights alone, on run_avx2: the same layout and summation
+// bf16 weights (and GGUF codes under bf16 x) with AVX512-BF16 (vdpbf16ps); int8 weights with AVX-512 VNNI
+// (vpdpwssd; Cascade Lake, Ice Lake and later, Zen 4). AVX2 builds (no AVX-512) run fp32 weights alone, on run_avx2: the same layout and summation
 // order, 3 x 32 tiles up to 8 rows and 6 x 16 tiles (the shape of BLIS's AVX2 sgemm kernel) past them, on blocks
 // of k once there is more than one pass of rows; 1.2-1.4x oneDNN up to 64 rows, on par at 128.
 //
@@ -47,6 +47,13 @@
 // projections), Q8_0's int8 codes with d (1,088 bytes; the tied embedding, our LM head). w = d * q + m, or d * q,
 // is exact to the bit of gguf-py's fp32 dequantization, and the sums are the fp32 kernel's, so the results are the
 // fp32 kernel's on the dequantized weight, bitwise, from a fifth (Q4_1) or 0.27 (Q8_0) of the bytes.
+//
+// bf16 x on GGUF codes (AVX512-BF16; run_gguf_bf16): a bf16 model holds those weights rounded once to bf16, and
+// the kernel rounds its exact dequantization the same way into the bf16 kernels' panel (AMX tiles or vdpbf16ps),
+// from its own layout of the same bytes ([N/32, K/32, 40, 16] and [N/32, K/32, 68, 16]); the results are the
+// bf16 kernel's on the bf16 weight, bitwise, from ~0.3 (Q4_1) or 0.53 (Q8_0) of the bytes. small_linear tells
+// the layouts apart by their shapes and x's dtype: a tensor of one layout reshaped into the other's is not
+// detected, so take them from the pack functions as they come.
 //
 // Numerics: fp32 accumulates every product in fp32 (k ascending); bf16 multiplies bf16 pairs exactly and
 // accumulates in fp32 (vdpbf16ps), then rounds to bf16 once, round-to-nearest-even: the contract of
@@ -335,7 +342,7 @@ void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
     thread_local std::vector<float> buffer;
     float* panel = nullptr;
     if (passes > 1) {
-      buffer.resize(k * 2 * LANES + LANES);
+      if (buffer.size() < static_cast<size_t>(k * 2 * LANES + LANES)) buffer.resize(k * 2 * LANES + LANES);
       panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
     }
     for (int64_t pair = begin; pair < end; ++pair) {
@@ -423,7 +430,7 @@ bool amx_takes(int64_t k) { return k % AMX_K == 0; }
 // gives pair p0's panel with those of pairs p0 + 1 .. p1 - 1 after it (panel_bytes apart), read until its next
 // call on the same thread: the packed weight itself (run_amx), or codes dequantized into a buffer (run_gguf_bf16).
 // pass_fn(a, a_stride, panel, two, c) runs one pass's tiles over a panel into c: amx_pass, unless the panel is
-// codes that the pass dequantizes a tile step at a time (amx_pass_codes).
+// codes that the pass dequantizes a tile step at a time (CodesPass).
 template <typename Panels, typename Pass>
 void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const float* bias, int64_t n,
                     int64_t panel_bytes, const Panels& panels, const Pass& pass_fn) {
@@ -510,7 +517,7 @@ void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
 // run_gguf does it, rounded by vcvtne2ps2bf16 (nearest-even; it reads a subnormal as zero, and d * q + m of fp16
 // d and m is zero or at least 2^-24, never subnormal) and laid out as pack_small_linear lays out a bf16 weight,
 // so the panel holds the bf16 weight's packed bytes and the tile (or vdpbf16ps) kernel's results are bitwise
-// those on the bf16 weight. Its own code layout (pack_small_linear_q4_1_bf16 / _q8_0_bf16) puts each step pair's
+// those on the bf16 weight. Its own code layout (pack_small_linear_q4_1 / _q8_0 with bf16) puts each step pair's
 // codes in the panel's lane order, (column j, k), (column j, k + 1), ..., so a 16-byte load is 8 columns x 2 k
 // and two of them round into one 64-byte line of the panel with no shuffle. A step pair of a pair reads 32
 // (Q4_1) or 64 (Q8_0) bytes of codes where bf16 reads 128. A 32-k block of a pair (the lines of 16 bytes):
@@ -657,7 +664,7 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   // A 64-byte-aligned buffer of `elems` bf16 on the calling thread, kept for its next calls.
   auto buffer = [](int64_t elems) {
     thread_local std::vector<uint16_t> storage;
-    storage.resize(elems + 32);
+    if (storage.size() < static_cast<size_t>(elems + 32)) storage.resize(elems + 32);  // grows only
     return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
   };
 #if defined(STREAMKV_AMX)
