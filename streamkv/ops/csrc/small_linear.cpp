@@ -1,9 +1,10 @@
 // y = x W^T (+ b) for the few rows of a decode step, streaming W once at memory speed (CPU, fp32 / bf16 / int8 /
 // GGUF Q4_1 and Q8_0 W). Which kernels a build has: fp32 weights (and GGUF codes under fp32 x) on any AVX-512 CPU;
 // bf16 weights (and GGUF codes under bf16 x) with AVX512-BF16 (vdpbf16ps); int8 weights with AVX-512 VNNI
-// (vpdpwssd; Cascade Lake, Ice Lake and later, Zen 4). AVX2 builds (no AVX-512) run fp32 weights alone, on run_avx2: the same layout and summation
-// order, 3 x 32 tiles up to 8 rows and 6 x 16 tiles (the shape of BLIS's AVX2 sgemm kernel) past them, on blocks
-// of k once there is more than one pass of rows; 1.2-1.4x oneDNN up to 64 rows, on par at 128.
+// (vpdpwssd; Cascade Lake, Ice Lake and later, Zen 4). AVX2 builds (no AVX-512) run fp32 weights alone, on
+// run_avx2: the same layout and summation order, 3 x 32 tiles up to 8 rows and 6 x 16 tiles (the shape of BLIS's
+// AVX2 sgemm kernel) past them, on blocks of k once there is more than one pass of rows; 1.2-1.4x oneDNN up to
+// 64 rows, on par at 128.
 //
 // A decode step's matmuls have M = batch rows against weights of N x K: at M <= 8 they are bound by the
 // bytes of W, not by FLOPs. oneDNN's packed matmul reaches ~18-20 GB/s on them on the 2-core EPYC where a
@@ -387,12 +388,13 @@ constexpr int64_t AMX_STEP_BYTES = 2048;  // one tile step of a pair's panel: 16
 constexpr int64_t AMX_PANEL_MAJOR_ROWS = 128;
 constexpr int64_t AMX_CHUNK_BYTES = 1 << 20;
 
-// One pass over a pair's panel w for the row block at a (and the one 16 rows below when TWO); the C tiles
-// land in c_out [16 or 32 rows][32 floats]. No software prefetch: asking for the panel 2 or 4 steps ahead
-// (into L1 or L2), or for the next panel during the later passes as run() does, timed the same as none
-// (load_tests/bench_small_linear.py, 1-128 rows, docs/benchmarks.md "Round 15").
-template <bool TWO>
-inline void amx_pass(const char* a, int64_t a_stride, const char* w, int64_t k_tiles, float* c_out) {
+// One pass of k_tiles tile steps for the row block at a (and the one 16 rows below when TWO); step(t) gives tile
+// step t's 2 KB of bf16 weights in the panel layout (the two B tiles, 64 bytes apart with rows 128 apart). The C
+// tiles land in c_out [16 or 32 rows][32 floats]. No software prefetch on a dense panel: asking for it 2 or 4
+// steps ahead (into L1 or L2), or for the next panel during the later passes as run() does, timed the same as
+// none (load_tests/bench_small_linear.py, 1-128 rows, docs/benchmarks.md "Round 15").
+template <bool TWO, typename Step>
+inline void amx_pass_steps(const char* a, int64_t a_stride, int64_t k_tiles, float* c_out, const Step& step) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (TWO) {
@@ -400,7 +402,7 @@ inline void amx_pass(const char* a, int64_t a_stride, const char* w, int64_t k_t
     _tile_zero(3);
   }
   for (int64_t t = 0; t < k_tiles; ++t) {
-    const char* b = w + t * AMX_STEP_BYTES;
+    const char* b = step(t);
     _tile_loadd(6, b, 128);
     _tile_loadd(7, b + 64, 128);
     _tile_loadd(4, a + t * AMX_K * 2, a_stride);
@@ -418,6 +420,12 @@ inline void amx_pass(const char* a, int64_t a_stride, const char* w, int64_t k_t
     _tile_stored(2, c_out + AMX_ROWS * 32, 128);
     _tile_stored(3, c_out + AMX_ROWS * 32 + LANES, 128);
   }
+}
+
+// amx_pass_steps over a pair's panel w.
+template <bool TWO>
+inline void amx_pass(const char* a, int64_t a_stride, const char* w, int64_t k_tiles, float* c_out) {
+  amx_pass_steps<TWO>(a, a_stride, k_tiles, c_out, [w](int64_t t) { return w + t * AMX_STEP_BYTES; });
 }
 
 // K a multiple of 32 (the tiles take whole steps); other shapes run the vdpbf16ps kernel.
@@ -600,43 +608,21 @@ inline void dequantize_pair_bf16(const uint8_t* w, int64_t blocks, const uint8_t
 }
 
 #if defined(STREAMKV_AMX)
-// amx_pass over a pair's codes: a GGUF block of 32 k is one tile step, so each block is dequantized into a 2 KB
-// tile step (two in turn, so a step's stores need not wait on the loads of the one before) and loaded from L1
-// straight away: the weights take no trip through a whole panel. The tile sums are amx_pass's on the same bytes.
+// amx_pass_steps over a pair's codes: a GGUF block of 32 k is one tile step, so each block is dequantized into a
+// 2 KB tile step (two in turn, so a step's stores need not wait on the loads of the one before) and loaded from
+// L1 straight away: the weights take no trip through a whole panel. The tile sums are amx_pass's on those bytes.
 template <typename Layout>
 struct CodesPass {
   int64_t blocks;
   template <bool TWO>
   void run(const char* a, int64_t a_stride, const uint8_t* w, float* c_out) const {
     alignas(64) uint16_t steps[2][AMX_STEP_BYTES / 2];
-    _tile_zero(0);
-    _tile_zero(1);
-    if constexpr (TWO) {
-      _tile_zero(2);
-      _tile_zero(3);
-    }
-    for (int64_t t = 0; t < blocks; ++t) {
+    amx_pass_steps<TWO>(a, a_stride, blocks, c_out, [&](int64_t t) {
       for (int64_t l = 0; l < Layout::BYTES / 64; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(w) + (t + 2) * Layout::BYTES + l * 64, _MM_HINT_T0);
-      uint16_t* b = steps[t & 1];
-      Layout::dequantize(w + t * Layout::BYTES, b);
-      _tile_loadd(6, b, 128);
-      _tile_loadd(7, b + 2 * LANES, 128);
-      _tile_loadd(4, a + t * AMX_K * 2, a_stride);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if constexpr (TWO) {
-        _tile_loadd(5, a + AMX_ROWS * a_stride + t * AMX_K * 2, a_stride);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, c_out, 128);
-    _tile_stored(1, c_out + LANES, 128);
-    if constexpr (TWO) {
-      _tile_stored(2, c_out + AMX_ROWS * 32, 128);
-      _tile_stored(3, c_out + AMX_ROWS * 32 + LANES, 128);
-    }
+      Layout::dequantize(w + t * Layout::BYTES, steps[t & 1]);
+      return reinterpret_cast<const char*>(steps[t & 1]);
+    });
   }
   void operator()(const char* a, int64_t a_stride, const char* w, bool two, float* c) const {
     const auto* codes = reinterpret_cast<const uint8_t*>(w);
