@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from streamkv.model.mkl_vml import resolve_vml_dispatch
+
+logger = logging.getLogger(__name__)
+
+# oneMKL's high-accuracy cos/sin are under 1 ulp, so within 2**-23 of the exact value where |x| <= 1; its
+# low-accuracy kernel is thousands of ulp off (streamkv.model.mkl_vml).
+TABLE_TOLERANCE = 2.0**-22
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
@@ -61,17 +69,41 @@ class RopeConfig(Protocol):
 def rope_tables(config: RopeConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Precompute RoPE tables for positions ``0 .. max_positions-1``.
 
-    The angles are ``position * inv_freq`` in float32, exactly as transformers
-    computes them (``inv_freq = theta ** (-2i / D)``, optionally rescaled).
+    The angles are ``position * inv_freq`` in float32, and their cos and sin
+    float32 too, exactly as transformers computes them (``inv_freq = theta **
+    (-2i / D)``, optionally rescaled), so the tables are bitwise its own.
 
     Returns:
         ``(cos, sin)``, float32 ``[max_positions, D]``: ``cos = [c, c]`` and
         ``sin = [-s, s]`` for the half-split rotation of :func:`apply_rope`.
+
+    Raises:
+        RuntimeError: twice in a row, torch's cos or sin was more than
+            :data:`TABLE_TOLERANCE` off their float64 values.
     """
+    resolve_vml_dispatch()
     inv_freq = rope_inv_freq(config)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = checked_unary(angles, "cos"), checked_unary(angles, "sin")
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def checked_unary(x: torch.Tensor, op: str) -> torch.Tensor:
+    """``x.<op>()`` for float32 ``x``, checked against float64 within :data:`TABLE_TOLERANCE`, retried once.
+
+    A bad first call is what oneMKL's dispatch race gives (streamkv.model.mkl_vml); the next call is right.
+
+    Raises:
+        RuntimeError: both calls were off.
+    """
+    exact = getattr(x.double(), op)()
+    for attempt in range(2):
+        values: torch.Tensor = getattr(x, op)()
+        error = float((values.double() - exact).abs().max()) if x.numel() else 0.0
+        if error <= TABLE_TOLERANCE:
+            return values
+        logger.warning("torch.%s was %.3g off its float64 value in a RoPE table (try %d of 2)", op, error, attempt + 1)
+    raise RuntimeError(f"torch.{op} is {error:.3g} off its float64 value: the RoPE tables cannot be trusted")
 
 
 def rope_inv_freq(config: RopeConfig) -> torch.Tensor:

@@ -308,7 +308,7 @@ def test_smollm2_prepacked_logits_match_transformers(
     try:
         assert_matches_hf(smollm2, smollm2_checkpoint.model, seqs, schedule_name, atol=ONEDNN_ATOL)
     except AssertionError as exc:
-        # Once in ~25 runs (round 23) the session's model was off from its load on; say which tensors were.
+        # Round 23's flake (oneMKL's dispatch race, streamkv.model.mkl_vml) showed here: say which tensors are off.
         differ = differences_from_a_fresh_load(smollm2, smollm2_checkpoint) or "none"
         raise AssertionError(f"{exc}\ntensors that differ from a fresh load in this process: {differ}") from exc
 
