@@ -10,8 +10,11 @@ from transformers import PreTrainedTokenizerBase
 
 from streamkv.config import ModelConfig
 from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf, load_hf_checkpoint, load_model
+from streamkv.model.mkl_vml import resolve_vml_dispatch
 
 torch.set_num_threads(2)
+# Before any test's first sizable cos or exp, transformers' (the oracle's) too: streamkv.model.mkl_vml.
+resolve_vml_dispatch()
 
 OUTPUT_DIR = Path(__file__).resolve().parent.parent / "test-output"
 
