@@ -422,12 +422,6 @@ inline void amx_pass_steps(const char* a, int64_t a_stride, int64_t k_tiles, flo
   }
 }
 
-// amx_pass_steps over a pair's panel w.
-template <bool TWO>
-inline void amx_pass(const char* a, int64_t a_stride, const char* w, int64_t k_tiles, float* c_out) {
-  amx_pass_steps<TWO>(a, a_stride, k_tiles, c_out, [w](int64_t t) { return w + t * AMX_STEP_BYTES; });
-}
-
 // K a multiple of 32 (the tiles take whole steps); other shapes run the vdpbf16ps kernel.
 bool amx_takes(int64_t k) { return k % AMX_K == 0; }
 
@@ -437,8 +431,8 @@ bool amx_takes(int64_t k) { return k % AMX_K == 0; }
 // pairs in the order AMX_PANEL_MAJOR_ROWS picks; a row's result is the same in either order. panels(p0, p1)
 // gives pair p0's panel with those of pairs p0 + 1 .. p1 - 1 after it (panel_bytes apart), read until its next
 // call on the same thread: the packed weight itself (run_amx), or codes dequantized into a buffer (run_gguf_bf16).
-// pass_fn(a, a_stride, panel, two, c) runs one pass's tiles over a panel into c: amx_pass, unless the panel is
-// codes that the pass dequantizes a tile step at a time (CodesPass).
+// pass_fn.run<TWO>(a, a_stride, panel, c) runs one pass's tiles over a panel into c (TWO: 32 rows, else 16):
+// PanelPass, or CodesPass on codes that it dequantizes a tile step at a time.
 template <typename Panels, typename Pass>
 void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const float* bias, int64_t n,
                     int64_t panel_bytes, const Panels& panels, const Pass& pass_fn) {
@@ -469,7 +463,10 @@ void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const f
     auto tile_pass = [&](int64_t pair, int64_t pass, const char* w) {
       const int64_t r0 = 2 * pass * AMX_ROWS;
       const bool two = 2 * pass + 1 < blocks;
-      pass_fn(xp + r0 * x_stride, x_stride, w, two, c);
+      if (two)
+        pass_fn.template run<true>(xp + r0 * x_stride, x_stride, w, c);
+      else
+        pass_fn.template run<false>(xp + r0 * x_stride, x_stride, w, c);
       const int64_t rows = std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0);
       for (int cb = 0; cb < 2; ++cb) {
         const int64_t col = (2 * pair + cb) * LANES;
@@ -499,14 +496,12 @@ void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const f
   });
 }
 
-// One amx_pass (k_tiles tile steps) over a panel in pack_small_linear's bf16 layout.
+// One pass of amx_pass_steps over a panel in pack_small_linear's bf16 layout (k_tiles tile steps).
 struct PanelPass {
   int64_t k_tiles;
-  void operator()(const char* a, int64_t a_stride, const char* w, bool two, float* c) const {
-    if (two)
-      amx_pass<true>(a, a_stride, w, k_tiles, c);
-    else
-      amx_pass<false>(a, a_stride, w, k_tiles, c);
+  template <bool TWO>
+  void run(const char* a, int64_t a_stride, const char* w, float* c) const {
+    amx_pass_steps<TWO>(a, a_stride, k_tiles, c, [w](int64_t t) { return w + t * AMX_STEP_BYTES; });
   }
 };
 
@@ -610,12 +605,13 @@ inline void dequantize_pair_bf16(const uint8_t* w, int64_t blocks, const uint8_t
 #if defined(STREAMKV_AMX)
 // amx_pass_steps over a pair's codes: a GGUF block of 32 k is one tile step, so each block is dequantized into a
 // 2 KB tile step (two in turn, so a step's stores need not wait on the loads of the one before) and loaded from
-// L1 straight away: the weights take no trip through a whole panel. The tile sums are amx_pass's on those bytes.
+// L1 straight away: the weights take no trip through a whole panel. The tile sums are PanelPass's on those bytes.
 template <typename Layout>
 struct CodesPass {
   int64_t blocks;
   template <bool TWO>
-  void run(const char* a, int64_t a_stride, const uint8_t* w, float* c_out) const {
+  void run(const char* a, int64_t a_stride, const char* panel, float* c_out) const {
+    const auto* w = reinterpret_cast<const uint8_t*>(panel);
     alignas(64) uint16_t steps[2][AMX_STEP_BYTES / 2];
     amx_pass_steps<TWO>(a, a_stride, blocks, c_out, [&](int64_t t) {
       for (int64_t l = 0; l < Layout::BYTES / 64; ++l)
@@ -623,13 +619,6 @@ struct CodesPass {
       Layout::dequantize(w + t * Layout::BYTES, steps[t & 1]);
       return reinterpret_cast<const char*>(steps[t & 1]);
     });
-  }
-  void operator()(const char* a, int64_t a_stride, const char* w, bool two, float* c) const {
-    const auto* codes = reinterpret_cast<const uint8_t*>(w);
-    if (two)
-      run<true>(a, a_stride, codes, c);
-    else
-      run<false>(a, a_stride, codes, c);
   }
 };
 #endif
