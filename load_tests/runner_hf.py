@@ -31,7 +31,10 @@ class Engine:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from streamkv.model.mkl_vml import resolve_vml_dispatch
+
         torch.set_num_threads(int(spec["threads"]))
+        resolve_vml_dispatch()  # the reference's first rotary cos splits between threads (streamkv.model.mkl_vml)
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
         self.model = AutoModelForCausalLM.from_pretrained(spec["hf_model"], dtype=self.dtype).eval()
         tok = AutoTokenizer.from_pretrained(spec["hf_model"])

@@ -1,6 +1,6 @@
 """oneMKL VML's kernel dispatch, resolved before any concurrent first call.
 
-torch's CPU wheels route contiguous float32 and float64 ``cos``, ``sin``,
+torch's CPU wheels route float32 and float64 ``cos``, ``sin``,
 ``exp``, ``log``, ``sqrt``, ``tanh`` (and the rest of :data:`VML_OPS`) to
 oneMKL's VML (``aten/src/ATen/cpu/vml.h``), asking each call for its
 high-accuracy kernel (``VML_HA``, under 1 ulp). oneMKL picks a function's
@@ -12,7 +12,7 @@ oneMKL 2024.2, the build torch 2.13's wheels carry, has it; oneMKL 2025.0
 does not (pytorch/pytorch#188792, and the same 1-element warm-up in
 pytorch/pytorch#188791).
 
-Here it was round 23's flake (docs/benchmarks.md, "Round 29"): the RoPE
+Here it was round 23's flake (docs/benchmarks.md, rounds 24, 25 and 29): the RoPE
 cos table is a process's first sizable VML call, and about one test
 process in 25 built a SmolLM2 whose cos table differed from a fresh
 load's, its logits 0.0084 off transformers'. Swapping in the table that
@@ -52,10 +52,11 @@ def resolve_vml_dispatch() -> None:
     """Call each op of :data:`VML_OPS` once on one float32 and one float64 element, on this thread alone.
 
     One element never splits between threads, so each function's kernel is
-    picked by one caller; every later call, on any thread, finds it picked.
-    Runs once per process (a few microseconds).
+    picked by one caller; every later call, on any thread, finds it picked
+    (pytorch/pytorch#188791's remedy, which its author's A/B found to remove
+    the race). Runs once per process: ~2 ms, most of it oneMKL's set-up.
     """
     for dtype in (torch.float32, torch.float64):
-        x = torch.full((1,), 0.5, dtype=dtype)
+        x = torch.full((1,), 0.5, dtype=dtype, device="cpu")
         for op in VML_OPS:
             getattr(torch, op)(x)
