@@ -86,7 +86,7 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, inter: int) -> None:
 def test_bf16_silu_and_mul_is_torchs_for_every_bf16_gate() -> None:
     """bf16 silu is a table of torch's own silu of each bf16 value: every one of the 65,536 gates (NaNs, infinities,
     subnormals, both zeros) gives torch's bits, the sign of a zero included, times an up of either sign; 203 columns
-    run the 16- and 8-lane loops and the scalar tail."""
+    run the vector loop (16 lanes, or 8 on AVX2) and the scalar tail."""
     gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     gate = torch.cat([gate, gate[: 203 * 323 - gate.numel()]]).view(323, 203)
     up = torch.randn(323, 203, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -188,21 +189,21 @@ void add_rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor& residua
 }
 
 // torch's bf16 silu (at::silu, rounded to bf16) of every bf16 value, widened to fp32, indexed by the value's bits.
-// A lookup (a gather per 16 lanes) in place of an exp and a division per lane: bf16 silu_and_mul took 1.7 ms on a
-// [4096, 3072] row block against 0.8 with the table (docs/benchmarks.md, "Round 29"), and its silu is torch's by
-// construction, the sign of a zero included. Built on the first call, before any parallel region; never freed.
+// A lookup (a gather per 16 lanes, 8 on AVX2) in place of an exp and a division per lane: bf16 silu_and_mul took
+// 1.70 ms on a [4096, 3072] gate_up against 1.03 with the table on the AMX host (docs/benchmarks.md, "Round 29"),
+// and its silu is torch's by construction, the sign of a zero included. Built on the first call, before any
+// parallel region; never freed.
 const float* bf16_silu_table() {
   static const float* table = [] {
-    const at::Tensor bits = at::arange(65536, at::TensorOptions().dtype(at::kInt)).to(at::kShort);
-    const at::Tensor silu = at::silu(bits.view(at::kBFloat16)).to(at::kFloat).contiguous();
+    std::vector<uint16_t> bits(65536);
+    for (int i = 0; i < 65536; ++i) bits[i] = static_cast<uint16_t>(i);
+    const at::Tensor silu = at::silu(at::from_blob(bits.data(), {65536}, at::TensorOptions().dtype(at::kBFloat16)));
     auto* t = new float[65536];
-    std::memcpy(t, silu.data_ptr<float>(), 65536 * sizeof(float));
+    std::memcpy(t, silu.to(at::kFloat).contiguous().data_ptr<float>(), 65536 * sizeof(float));
     return t;
   }();
   return table;
 }
-
-inline uint16_t bits_of(at::BFloat16 x) { return x.x; }
 
 // bf16 rows: out = bf16(table[gate] * up), the table's entry being bf16(silu(gate)).
 void silu_and_mul_bf16(at::Tensor& out, const at::Tensor& gate_up) {
@@ -228,7 +229,7 @@ void silu_and_mul_bf16(at::Tensor& out, const at::Tensor& gate_up) {
         store8(dst + i, _mm256_mul_ps(_mm256_i32gather_ps(table, bits, 4), load8(u + i)));
       }
 #endif
-      for (; i < n; ++i) dst[i] = from_f<at::BFloat16>(table[bits_of(g[i])] * to_f(u[i]));
+      for (; i < n; ++i) dst[i] = from_f<at::BFloat16>(table[g[i].x] * to_f(u[i]));
     }
   });
 }

@@ -610,13 +610,12 @@ template <typename Layout>
 struct CodesPass {
   int64_t blocks;
   template <bool TWO>
-  void run(const char* a, int64_t a_stride, const char* panel, float* c_out) const {
-    const auto* w = reinterpret_cast<const uint8_t*>(panel);
+  void run(const char* a, int64_t a_stride, const char* w, float* c_out) const {
     alignas(64) uint16_t steps[2][AMX_STEP_BYTES / 2];
     amx_pass_steps<TWO>(a, a_stride, blocks, c_out, [&](int64_t t) {
       for (int64_t l = 0; l < Layout::BYTES / 64; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(w) + (t + 2) * Layout::BYTES + l * 64, _MM_HINT_T0);
-      Layout::dequantize(w + t * Layout::BYTES, steps[t & 1]);
+        _mm_prefetch(w + (t + 2) * Layout::BYTES + l * 64, _MM_HINT_T0);
+      Layout::dequantize(reinterpret_cast<const uint8_t*>(w) + t * Layout::BYTES, steps[t & 1]);
       return reinterpret_cast<const char*>(steps[t & 1]);
     });
   }
