@@ -99,6 +99,16 @@ constexpr int64_t Q8_0_BLOCK_BYTES = 1088;  // Q8_0: a pair's block of 32 k step
 
 int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
+// A 64-byte-aligned scratch of `elems` T on the calling thread, kept (it only grows) for the thread's next calls.
+// One per T: a caller is done with it before that thread asks for a T scratch again.
+template <typename T>
+T* thread_scratch(int64_t elems) {
+  thread_local std::vector<T> storage;
+  const size_t want = static_cast<size_t>(elems) + 64 / sizeof(T);
+  if (storage.size() < want) storage.resize(want);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+}
+
 #if defined(__AVX512F__)
 // The first min(live, 16) lanes (none when live <= 0).
 inline __mmask16 first_lanes(int64_t live) {
@@ -340,12 +350,7 @@ void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
   const int64_t rows_per_pass = (m + passes - 1) / passes;
   const int64_t pair_bytes = blocks * Block::BYTES;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> buffer;
-    float* panel = nullptr;
-    if (passes > 1) {
-      if (buffer.size() < static_cast<size_t>(k * 2 * LANES + LANES)) buffer.resize(k * 2 * LANES + LANES);
-      panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-    }
+    float* panel = passes > 1 ? thread_scratch<float>(k * 2 * LANES) : nullptr;
     for (int64_t pair = begin; pair < end; ++pair) {
       const uint8_t* w = wp + pair * pair_bytes;
       const int64_t col = pair * 2 * LANES;
@@ -635,12 +640,6 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t pair_bytes = blocks * Layout::BYTES;
   const int64_t panel_elems = k * 2 * LANES;  // bf16 of a pair's panel
-  // A 64-byte-aligned buffer of `elems` bf16 on the calling thread, kept for its next calls.
-  auto buffer = [](int64_t elems) {
-    thread_local std::vector<uint16_t> storage;
-    if (storage.size() < static_cast<size_t>(elems + 32)) storage.resize(elems + 32);  // grows only
-    return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
-  };
 #if defined(STREAMKV_AMX)
   if (amx_takes(k) && amx_on()) {
     if (m <= 2 * AMX_ROWS) {
@@ -653,7 +652,7 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
     run_amx_panels(
         out, x, pairs, bias, n, panel_bytes,
         [&](int64_t p0, int64_t p1) {
-          uint16_t* panel = buffer((p1 - p0) * panel_elems);
+          uint16_t* panel = thread_scratch<uint16_t>((p1 - p0) * panel_elems);
           for (int64_t pair = p0; pair < p1; ++pair) {
             const uint8_t* w = wp + pair * pair_bytes;
             dequantize_pair_bf16<Layout>(w, blocks, pair + 1 < pairs ? w + pair_bytes : nullptr,
@@ -670,7 +669,7 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   const int64_t passes = (m + FLOAT_ROWS - 1) / FLOAT_ROWS;
   const int64_t rows_per_pass = (m + passes - 1) / passes;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    uint16_t* panel = buffer(panel_elems);
+    uint16_t* panel = thread_scratch<uint16_t>(panel_elems);
     for (int64_t pair = begin; pair < end; ++pair) {
       const uint8_t* w = wp + pair * pair_bytes;
       const int64_t col = pair * 2 * LANES;
