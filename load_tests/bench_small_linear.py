@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, read bandwidth {read_bandwidth():.1f} GB/s, "
-        f"bf16 kernel on AMX tiles: {'yes' if ops.amx() else 'no'}"
+        f"bf16 kernel on AMX tiles: {'yes' if ops.amx() else 'no'}, "
+        f"int8 kernel on AMX tiles from 4 rows: {'yes' if ops.small_linear_int8_amx() else 'no'}"
     )
     print("| dtype | rows | oneDNN ms | oneDNN GB/s | small_linear ms | small_linear GB/s | speed-up |")
     print("|---|---|---|---|---|---|---|")

@@ -1,8 +1,10 @@
 """``--quantization int8``: the int8 small-batch kernel against an exact replica, the layer's dispatch, the engine.
 
 The kernel quantizes each row of ``x`` to int16 (``max|x| / 32767`` per row),
-sums the int16 x int8 products exactly in int32 (flushed to fp32 every 256
-pairs) and applies both scales in fp32. The replica below does the same
+sums the int16 x int8 products exactly (int32 partial sums, added every 256
+pairs into a float64 total), rounds the sum to fp32 once and applies both
+scales in fp32; on AMX-INT8 its tile path sums the same integers, so the
+two paths agree bit for bit. The replica below does the same
 quantization with the same float32 operations, so the codes are identical,
 and the products are summed in float64: the two agree to fp32 rounding of
 the sums. Against the float weights the error is the quantization's, bounded
@@ -77,13 +79,68 @@ def test_kernel_matches_the_replica(dtype: torch.dtype, n: int, k: int, rows: in
 
 @needs_kernel
 def test_int32_partial_sums_cannot_overflow() -> None:
-    # Every product at its largest (32767 * 127) over K = 4096: 17x past int32 unless flushed every 256 pairs.
+    # Every product at its largest (32767 * 127) over K = 4096: 17x past int32 unless added to the total every
+    # 256 pairs.
     k = 4096
     q = torch.full((16, k), 127, dtype=torch.int8)
     x = torch.ones(2, k)
     out = torch.empty(2, 16)
     ops.small_linear_int8(out, x, ops.pack_small_linear_int8(q), torch.full((16,), 1 / 127), None)
     torch.testing.assert_close(out, torch.full((2, 16), float(k)), rtol=1e-6, atol=0)
+
+
+needs_amx_int8 = pytest.mark.skipif(
+    ops is None or not ops.small_linear_int8_supported() or not ops.small_linear_int8_amx(),
+    reason="the int8 kernel's tile path needs AMX-INT8",
+)
+
+
+def run_both_paths(x: torch.Tensor, packed: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, n: int):
+    """The kernel's output with AMX off (vpdpwssd at every row count) and on (tiles from 4 rows)."""
+    outs = []
+    for amx in (False, True):
+        before = ops.set_amx(amx)
+        try:
+            out = torch.full((x.shape[0], n), 7.0, dtype=x.dtype)
+            ops.small_linear_int8(out, x, packed, s, b)
+        finally:
+            ops.set_amx(before)
+        outs.append(out)
+    return outs
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (17, 64), (33, 11), (50, 34), (40, 1100), (1, 2)])
+@pytest.mark.parametrize("rows", [3, 4, 5, 16, 17, 33, 129, 300])
+def test_tile_path_gives_the_vpdpwssd_paths_bits(dtype: torch.dtype, n: int, k: int, rows: int) -> None:
+    # Both sum the same integers exactly and round once: equal bits, NaN rows included, at every shape (N and K
+    # padded, one pass or several, pair by pair or pass by pass past 128 rows).
+    gen = torch.Generator().manual_seed(n * 7 + k * 3 + rows)
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
+    x[rows // 2, k - 1] = float("nan")
+    q, s = quantize_int8(torch.randn(n, k, generator=gen))
+    packed = ops.pack_small_linear_int8(q)
+    for bias in (None, torch.randn(n, generator=gen)):
+        vnni, tiles = run_both_paths(x, packed, s, bias, n)
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(vnni.view(bits), tiles.view(bits))
+        assert tiles[rows // 2].isnan().all() and tiles[torch.arange(rows) != rows // 2].isfinite().all()
+
+
+@needs_amx_int8
+def test_tile_sums_cannot_overflow_at_the_largest_codes() -> None:
+    # Every code at its extreme: x = +-32767 splits as 256 * 127 + 255 and 256 * -128 + 1, q = 127; over
+    # K = 4,096 the hi and lo tile sums stay in int32 and the joined total is exact.
+    k = 4096
+    q = torch.full((32, k), 127, dtype=torch.int8)
+    x = torch.ones(8, k)
+    x[1::2] = -1
+    x[2, ::2] = -1
+    vnni, tiles = run_both_paths(x, ops.pack_small_linear_int8(q), torch.full((32,), 1 / 127), None, 32)
+    want = x.sum(dim=1, keepdim=True).expand(8, 32)
+    torch.testing.assert_close(tiles, want, rtol=1e-6, atol=0)
+    assert torch.equal(vnni, tiles)
 
 
 @needs_kernel

@@ -40,7 +40,9 @@ rounding on the bf16 kernels (AMX tiles or ``vdpbf16ps``).
 
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
 ``int8``) keeps only int8 codes and a float32 scale per output, run by the
-int8 kernel of the same file at every batch size (:data:`INT8_MAX_ROWS`).
+int8 kernel of the same file at every batch size (:data:`INT8_MAX_ROWS`):
+``vpdpwssd`` up to 3 rows and, on a CPU with AMX-INT8, AMX tiles from 4 rows,
+with bitwise the same results.
 """
 
 from __future__ import annotations
@@ -88,9 +90,11 @@ AMX_NARROW_MAX_COLUMNS = 1024
 AMX_NARROW_MAX_ROWS = 1024
 AMX_TILE_K = 32  # run_amx takes K in whole tile steps of 32; other weights run the vdpbf16ps kernel
 
-# int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows and is on
-# par with oneDNN's bf16 matmul at prefill sizes (load_tests/bench_small_linear.py, int8 rows), and one kernel
-# for every row count keeps a row's result independent of the batch it is in.
+# int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows, and one
+# kernel for every row count keeps a row's result independent of the batch it is in. On AMX-INT8 its tile path
+# (run_amx_int8, bitwise the vpdpwssd path's results) runs a decode step's matmuls 1.1-1.5x faster than oneDNN's
+# bf16 matmul at 16-128 rows, and 0.64x at 4,096, where the vpdpwssd path alone was 0.23x
+# (load_tests/bench_small_linear.py, int8 rows; docs/benchmarks.md "Round 30").
 INT8_MAX_ROWS = sys.maxsize
 INT8_MAX = 127
 

@@ -29,10 +29,13 @@
 // Each row of x is first quantized to int16 with its own scale (max|x| / 32767, nearest-even), so each
 // step of k is one 64-byte line (two column blocks' weight pairs, each widened to int16 by vpmovsxbw; a
 // thread's pairs of blocks lie end to end, one sequential stream) and one vpdpwssd per row and block:
-// int16 x int8 products summed exactly in int32, flushed to fp32 every 256 pairs (before any sum could
-// overflow); both scales (and the bias) are applied in fp32 at the end. Half the bytes of bf16 per
-// weight at the rows where the weight stream is the cost, and bf16's rate of dot products where FLOPs
-// are, so this kernel runs every batch size of an int8 model (a row's result never depends on its batch).
+// int16 x int8 products summed exactly in int32, added every 256 pairs (before any int32 sum could overflow)
+// to float64 totals, which hold the integer exactly; the total is rounded to fp32 once, and both scales (and
+// the bias) are applied in fp32 at the end. Half the bytes of bf16 per weight at the rows where the weight
+// stream is the cost, so this kernel runs every batch size of an int8 model (a row's result never depends on
+// its batch). On a CPU with AMX-INT8, batches from AMX_INT8_MIN_ROWS rows run run_amx_int8 instead: tiles
+// that sum the same integers, so the same bits (vpdpwssd was compute-bound from 16 rows: 0.23x oneDNN's bf16
+// matmul at 4,096).
 // The x error per element is at most max|x| / 65534: next to bf16's rounding of x (2^-9 relative), and
 // far below the weights' own quantization step.
 //
@@ -430,12 +433,43 @@ inline void amx_pass_steps(const char* a, int64_t a_stride, int64_t k_tiles, flo
 // K a multiple of 32 (the tiles take whole steps); other shapes run the vdpbf16ps kernel.
 bool amx_takes(int64_t k) { return k % AMX_K == 0; }
 
+// The walk every AMX matmul here shares. Each thread loads the tile configuration (tiles 0-5, C and A: tile_rows
+// rows; 6-7, B: 16 rows; 64 bytes a row), takes a contiguous range of the pairs and calls tile_pass(pair, pass, w)
+// for each of `passes` row passes of each pair, w the pair's panel, in the order AMX_PANEL_MAJOR_ROWS picks for m
+// rows; a row's result is the same in either order. panels(p0, p1) gives pair p0's panel with those of pairs
+// p0 + 1 .. p1 - 1 after it (panel_bytes apart), read until its next call on the same thread.
+template <typename Panels, typename TilePass>
+void amx_walk_panels(int64_t m, int64_t tile_rows, int64_t pairs, int64_t passes, int64_t panel_bytes,
+                     const Panels& panels, const TilePass& tile_pass) {
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = t < 6 ? tile_rows : AMX_ROWS;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    if (m <= AMX_PANEL_MAJOR_ROWS) {
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const char* w = panels(pair, pair + 1);
+        for (int64_t pass = 0; pass < passes; ++pass) tile_pass(pair, pass, w);
+      }
+    } else {
+      const int64_t chunk = panel_bytes > 0 ? std::max<int64_t>(1, AMX_CHUNK_BYTES / panel_bytes) : end - begin;
+      for (int64_t p0 = begin; p0 < end; p0 += chunk) {
+        const int64_t p1 = std::min(end, p0 + chunk);
+        const char* w = panels(p0, p1);
+        for (int64_t pass = 0; pass < passes; ++pass)
+          for (int64_t pair = p0; pair < p1; ++pair) tile_pass(pair, pass, w + (pair - p0) * panel_bytes);
+      }
+    }
+    _tile_release();
+  });
+}
+
 // out [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias) on AMX tiles, each pair's panel in run<at::BFloat16>'s packed
 // layout. Rows go 32 at a time (two A tiles against the same two B tiles); past 16 rows x is copied into rows
-// padded to a multiple of 16 with zeros, so a tile never reads past x. Each thread walks its contiguous range of
-// pairs in the order AMX_PANEL_MAJOR_ROWS picks; a row's result is the same in either order. panels(p0, p1)
-// gives pair p0's panel with those of pairs p0 + 1 .. p1 - 1 after it (panel_bytes apart), read until its next
-// call on the same thread: the packed weight itself (run_amx), or codes dequantized into a buffer (run_gguf_bf16).
+// padded to a multiple of 16 with zeros, so a tile never reads past x. panels and panel_bytes as in
+// amx_walk_panels: the packed weight itself (run_amx), or codes dequantized into a buffer (run_gguf_bf16).
 // pass_fn.run<TWO>(a, a_stride, panel, c) runs one pass's tiles over a panel into c (TWO: 32 rows, else 16):
 // PanelPass, or CodesPass on codes that it dequantizes a tile step at a time.
 template <typename Panels, typename Pass>
@@ -457,47 +491,24 @@ void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const f
   at::BFloat16* yp = out.data_ptr<at::BFloat16>();
   const int64_t y_stride = out.stride(0);
   const int64_t blocks = (mp + AMX_ROWS - 1) / AMX_ROWS, passes = (blocks + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = t < 6 ? tile_rows : AMX_ROWS;  // C and A tiles: rows of x; B tiles: 16 pairs of k
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+  amx_walk_panels(m, tile_rows, pairs, passes, panel_bytes, panels, [&](int64_t pair, int64_t pass, const char* w) {
     alignas(64) float c[2 * AMX_ROWS * 32];
-    auto tile_pass = [&](int64_t pair, int64_t pass, const char* w) {
-      const int64_t r0 = 2 * pass * AMX_ROWS;
-      const bool two = 2 * pass + 1 < blocks;
-      if (two)
-        pass_fn.template run<true>(xp + r0 * x_stride, x_stride, w, c);
-      else
-        pass_fn.template run<false>(xp + r0 * x_stride, x_stride, w, c);
-      const int64_t rows = std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0);
-      for (int cb = 0; cb < 2; ++cb) {
-        const int64_t col = (2 * pair + cb) * LANES;
-        const int64_t live = std::min<int64_t>(LANES, n - col);
-        if (live <= 0) break;  // the zero block padding N to a multiple of 32
-        const __mmask16 mask = first_lanes(live);
-        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < rows; ++r)
-          store_row(yp + (r0 + r) * y_stride + col, mask, _mm512_add_ps(_mm512_load_ps(c + r * 32 + cb * LANES), bv));
-      }
-    };
-    if (m <= AMX_PANEL_MAJOR_ROWS) {
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const char* w = panels(pair, pair + 1);
-        for (int64_t pass = 0; pass < passes; ++pass) tile_pass(pair, pass, w);
-      }
-    } else {
-      const int64_t chunk = panel_bytes > 0 ? std::max<int64_t>(1, AMX_CHUNK_BYTES / panel_bytes) : end - begin;
-      for (int64_t p0 = begin; p0 < end; p0 += chunk) {
-        const int64_t p1 = std::min(end, p0 + chunk);
-        const char* w = panels(p0, p1);
-        for (int64_t pass = 0; pass < passes; ++pass)
-          for (int64_t pair = p0; pair < p1; ++pair) tile_pass(pair, pass, w + (pair - p0) * panel_bytes);
-      }
+    const int64_t r0 = 2 * pass * AMX_ROWS;
+    const bool two = 2 * pass + 1 < blocks;
+    if (two)
+      pass_fn.template run<true>(xp + r0 * x_stride, x_stride, w, c);
+    else
+      pass_fn.template run<false>(xp + r0 * x_stride, x_stride, w, c);
+    const int64_t rows = std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0);
+    for (int cb = 0; cb < 2; ++cb) {
+      const int64_t col = (2 * pair + cb) * LANES;
+      const int64_t live = std::min<int64_t>(LANES, n - col);
+      if (live <= 0) break;  // the zero block padding N to a multiple of 32
+      const __mmask16 mask = first_lanes(live);
+      const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < rows; ++r)
+        store_row(yp + (r0 + r) * y_stride + col, mask, _mm512_add_ps(_mm512_load_ps(c + r * 32 + cb * LANES), bv));
     }
-    _tile_release();
   });
 }
 
@@ -892,11 +903,13 @@ inline __m512 load_x(const at::BFloat16* p, __mmask16 live) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
 }
 
-// Rows of x -> int16 [M, kp] (zeros past K) and one scale per row: x[r, k] ~= xq[r, k] * xs[r],
+// Rows of x -> int16 codes [M, kp] (zeros past K) and one scale per row: x[r, k] ~= xq[r, k] * xs[r],
 // xs = max|x[r]| / 32767, xq = x * (32767 / max|x[r]|) in fp32, rounded to nearest-even. A row with a
-// non-finite element gets xs = NaN (its outputs are NaN); an all-zero row gets codes 0.
-template <typename T>
-void quantize_rows(const T* x, int64_t stride, int64_t m, int64_t k, int64_t kp, int16_t* xq, float* xs) {
+// non-finite element gets xs = NaN (its outputs are NaN); an all-zero row gets codes 0. store(r, i, codes, live)
+// keeps codes i .. i + 15 of row r (int16, the first `live` of them): stored as they are (run_int8) or split
+// (run_amx_int8).
+template <typename T, typename Store>
+void quantize_rows(const T* x, int64_t stride, int64_t m, int64_t k, int64_t kp, float* xs, const Store& store) {
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * stride;
@@ -911,27 +924,39 @@ void quantize_rows(const T* x, int64_t stride, int64_t m, int64_t k, int64_t kp,
       const float inv = (bad == 0 && absmax > 0.f) ? 32767.f / absmax : 0.f;
       xs[r] = bad == 0 ? absmax / 32767.f : std::numeric_limits<float>::quiet_NaN();
       const __m512 vinv = _mm512_set1_ps(inv);
-      int16_t* out = xq + r * kp;
       for (int64_t i = 0; i < kp; i += LANES) {
         const __m512 v = _mm512_mul_ps(load_x(row + i, first_lanes(k - i)), vinv);
-        _mm512_mask_cvtsepi32_storeu_epi16(out + i, first_lanes(kp - i), _mm512_cvtps_epi32(v));  // nearest-even, saturating
+        store(r, i, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(v)), kp - i);  // nearest-even, saturating
       }
     }
   });
 }
 
+// 16 int32 partial sums added to 16 float64 totals (set to them when `first`); exact while a total stays below
+// 2^53, as every int8 matmul's does (|sum| < 2^31 per 512 k).
+inline void add_exact(double* total, __m512i part, bool first) {
+  const __m512d lo = _mm512_cvtepi32_pd(_mm512_castsi512_si256(part));
+  const __m512d hi = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(part, 1));
+  _mm512_store_pd(total, first ? lo : _mm512_add_pd(_mm512_load_pd(total), lo));
+  _mm512_store_pd(total + 8, first ? hi : _mm512_add_pd(_mm512_load_pd(total + 8), hi));
+}
+
+// 16 float64 totals of integers rounded once to fp32 (nearest-even).
+inline __m512 rounded_total(const double* total) {
+  const __m256 lo = _mm512_cvtpd_ps(_mm512_load_pd(total)), hi = _mm512_cvtpd_ps(_mm512_load_pd(total + 8));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
 // The two column blocks of pair `pair` for rows [m0, m0 + rows): int16 x pairs against int8 weight pairs
-// widened to int16 (vpmovsxbw), multiplied and summed exactly in int32 (vpdpwssd), flushed to fp32 every
-// INT8_FLUSH_STEPS steps; y = sum * (wscale[col] * xs[row]) + bias. A step of k reads one 64-byte line
+// widened to int16 (vpmovsxbw), multiplied and summed exactly in int32 (vpdpwssd), added exactly to float64 totals
+// every INT8_FLUSH_STEPS steps and rounded to fp32 once; y = sum * (wscale[col] * xs[row]) + bias. A step of k reads one 64-byte line
 // (both blocks' 16 columns x 2 k), and consecutive pairs are consecutive in memory: one sequential stream.
 template <typename T>
 inline void column_pair_int8(const int16_t* xq, int64_t xq_stride, const float* xs, T* y, int64_t y_stride,
                              const int8_t* packed, const float* wscale, const float* bias, int64_t m0,
                              int64_t rows, int64_t pair, int64_t n, int64_t steps) {
   constexpr int NB = 2;
-  __m512 accf[NB][ROWS];
-  for (int c = 0; c < NB; ++c)
-    for (int r = 0; r < ROWS; ++r) accf[c][r] = _mm512_setzero_ps();
+  alignas(64) double total[NB][ROWS][LANES];  // each output's exact integer sum so far (below 2^53)
   const int8_t* w = packed + pair * steps * 2 * 2 * LANES;
   const int16_t* xr[ROWS];
   for (int r = 0; r < ROWS; ++r) xr[r] = xq + (m0 + std::min<int64_t>(r, rows - 1)) * xq_stride;
@@ -957,7 +982,7 @@ inline void column_pair_int8(const int16_t* xq, int64_t xq_stride, const float* 
     for (int c = 0; c < NB; ++c)
       for (int r = 0; r < ROWS; ++r) {
         if (r >= rows) break;
-        accf[c][r] = _mm512_add_ps(accf[c][r], _mm512_cvtepi32_ps(acc[c][r]));
+        add_exact(total[c][r], acc[c][r], s0 == 0);
       }
   }
   for (int c = 0; c < NB; ++c) {
@@ -969,7 +994,7 @@ inline void column_pair_int8(const int16_t* xq, int64_t xq_stride, const float* 
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < ROWS; ++r) {
       if (r >= rows) break;
-      const __m512 v = _mm512_fmadd_ps(accf[c][r], _mm512_mul_ps(sc, _mm512_set1_ps(xs[m0 + r])), b);
+      const __m512 v = _mm512_fmadd_ps(rounded_total(total[c][r]), _mm512_mul_ps(sc, _mm512_set1_ps(xs[m0 + r])), b);
       store_row(y + (m0 + r) * y_stride + col, mask, v);
     }
   }
@@ -985,8 +1010,11 @@ void run_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
   thread_local std::vector<float> xs;
   xq.resize(m * 2 * steps);
   xs.resize(m);
-  quantize_rows(x.data_ptr<T>(), x.stride(0), m, k, 2 * steps, xq.data(), xs.data());
-  const int16_t* xqp = xq.data();
+  int16_t* xqp = xq.data();
+  quantize_rows(x.data_ptr<T>(), x.stride(0), m, k, 2 * steps, xs.data(),
+                [xqp, kp = 2 * steps](int64_t r, int64_t i, __m256i codes, int64_t live) {
+                  _mm256_mask_storeu_epi16(xqp + r * kp + i, first_lanes(live), codes);
+                });
   const float* xsp = xs.data();
   T* yp = out.data_ptr<T>();
   const int8_t* wp = packed.data_ptr<int8_t>();
@@ -997,6 +1025,168 @@ void run_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
                             pair, n, steps);
   });
 }
+
+#if defined(STREAMKV_AMX) && defined(__AMX_INT8__)
+#define STREAMKV_AMX_INT8 1
+// run_int8 on AMX tiles (tdpbssd, tdpbusd: int8 x int8 and uint8 x int8 products summed exactly into int32
+// tiles), bitwise run_int8's results. Each int16 code of x is split, xq = 256 * hi + lo with hi = xq >> 8 in
+// [-128, 127] and lo = xq & 255 in [0, 255], so sum(xq q) = 256 * sum(hi q) + sum(lo q). Neither tile sum can
+// overflow below K = 65,536 (|lo q| <= 255 * 127 a product), so each runs over the whole of k, and
+// 256 * hi + lo is joined in float64 (exact) and rounded to fp32 once: the integer and the rounding run_int8's
+// float64 totals give. The epilogue is run_int8's, so a row's result is the same whichever kernel its batch takes.
+//   tile 0, 1: C, int32 [rows, 16], hi x block 0 / 1; 2, 3: lo x block 0 / 1
+//   tile 4, 5: A, rows of hi / lo x 64 k
+//   tile 6, 7: B, 16 quads of k x the 16 columns of block 0 / 1, byte 4 j + i = q[column j, 4 r + i]
+// One tdpbssd is 16 x 16 x 64 products, so the four of a 64-k step give 16 rows x 32 columns at bf16 tiles'
+// rate on half the weight bytes; run_int8's vpdpwssd was compute-bound from 16 rows.
+constexpr int64_t AMX_INT8_K = 64;  // int8 of k per tile step
+constexpr int64_t AMX_INT8_MAX_K = 65536;  // past it a tile's int32 sum of lo x q could overflow
+constexpr int64_t AMX_INT8_STEP_BYTES = 2048;  // one tile step of a pair's panel: 16 quads x 2 blocks x 64 bytes
+// Fewest rows of x that take the tiles. At 1-2 rows run_int8 streams the weight faster (6.3-6.6 against 6.9-7.2
+// ms for a decode step's matmuls), at 3-4 they tie, from 6 the tiles lead (load_tests/bench_small_linear.py,
+// docs/benchmarks.md "Round 30").
+constexpr int64_t AMX_INT8_MIN_ROWS = 4;
+
+// Tile step t of a pair's B tiles from its packed steps (pack_small_linear_int8: per step, 2 k of block 0's 16
+// columns then block 1's) into 2 KB at dst: row r of block c at r * 128 + c * 64 interleaves the 16-bit (k, k + 1)
+// pairs of steps 32 t + 2 r and 32 t + 2 r + 1 column by column. Steps past the weight's are zeros.
+inline void int8_quad_step(const int8_t* w, int64_t steps, int64_t t, int8_t* dst) {
+  alignas(64) static const uint16_t order[2][32] = {
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  const __m512i idx0 = _mm512_load_si512(order[0]), idx1 = _mm512_load_si512(order[1]);
+  for (int64_t r = 0; r < AMX_ROWS; ++r) {
+    const int64_t e = 32 * t + 2 * r;
+    const __m512i a = e < steps ? _mm512_loadu_si512(w + e * 64) : _mm512_setzero_si512();
+    const __m512i b = e + 1 < steps ? _mm512_loadu_si512(w + (e + 1) * 64) : _mm512_setzero_si512();
+    _mm512_store_si512(dst + r * 128, _mm512_permutex2var_epi16(a, idx0, b));
+    _mm512_store_si512(dst + r * 128 + 64, _mm512_permutex2var_epi16(a, idx1, b));
+  }
+}
+
+// One row block's sums over k_tiles tile steps into out [rows][32] fp32, 256 * hi + lo rounded once; step(t) gives
+// tile step t's 2 KB of B tiles (int8_quad_step's layout).
+template <typename Step>
+inline void amx_int8_pass(const int8_t* hi, const uint8_t* lo, int64_t a_stride, int64_t k_tiles, int64_t rows,
+                          float* out, const Step& step) {
+  alignas(64) int32_t sums[4][AMX_ROWS * LANES];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t = 0; t < k_tiles; ++t) {
+    const int8_t* b = step(t);
+    _tile_loadd(6, b, 128);
+    _tile_loadd(7, b + 64, 128);
+    _tile_loadd(4, hi + t * AMX_INT8_K, a_stride);
+    _tile_loadd(5, lo + t * AMX_INT8_K, a_stride);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbusd(2, 5, 6);
+    _tile_dpbusd(3, 5, 7);
+  }
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  _tile_stored(2, sums[2], 64);
+  _tile_stored(3, sums[3], 64);
+  const __m512d step256 = _mm512_set1_pd(256.0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < 2; ++c) {
+      const __m512i h = _mm512_load_si512(sums[c] + r * LANES), l = _mm512_load_si512(sums[2 + c] + r * LANES);
+      alignas(64) double total[LANES];
+      for (int half = 0; half < 2; ++half) {
+        const __m256i hh = half ? _mm512_extracti64x4_epi64(h, 1) : _mm512_castsi512_si256(h);
+        const __m256i ll = half ? _mm512_extracti64x4_epi64(l, 1) : _mm512_castsi512_si256(l);
+        _mm512_store_pd(total + 8 * half, _mm512_fmadd_pd(_mm512_cvtepi32_pd(hh), step256, _mm512_cvtepi32_pd(ll)));
+      }
+      _mm512_store_ps(out + r * 32 + c * LANES, rounded_total(total));
+    }
+}
+
+// run_int8's contract on AMX tiles, 16 rows a pass; the walk (and its panel buffers) as run_amx_panels'.
+template <typename T>
+void run_amx_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* wscale,
+                  const float* bias, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1);
+  if (m == 0) return;
+  const int64_t pairs = packed.size(0), steps = packed.size(1);
+  const int64_t kp = padded(k, AMX_INT8_K), k_tiles = kp / AMX_INT8_K;
+  const int64_t tile_rows = std::min(m, AMX_ROWS), mp = m < AMX_ROWS ? m : padded(m, AMX_ROWS);
+  thread_local std::vector<float> xs;
+  thread_local std::vector<int8_t> hi_codes;
+  thread_local std::vector<uint8_t> lo_codes;
+  xs.resize(m);
+  hi_codes.resize(mp * kp);
+  lo_codes.resize(mp * kp);
+  int8_t* hi = hi_codes.data();
+  uint8_t* lo = lo_codes.data();
+  std::memset(hi + m * kp, 0, (mp - m) * kp);  // the padding rows of the last tile: zeros
+  std::memset(lo + m * kp, 0, (mp - m) * kp);
+  quantize_rows(x.data_ptr<T>(), x.stride(0), m, k, kp, xs.data(), [=](int64_t r, int64_t i, __m256i codes, int64_t) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + r * kp + i), _mm256_cvtepi16_epi8(_mm256_srai_epi16(codes, 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + r * kp + i),
+                     _mm256_cvtepi16_epi8(_mm256_and_si256(codes, _mm256_set1_epi16(0xFF))));
+  });
+  const float* xsp = xs.data();
+  T* yp = out.data_ptr<T>();
+  const int64_t y_stride = out.stride(0);
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int64_t pair_bytes = steps * 4 * LANES;
+  const int64_t passes = (mp + AMX_ROWS - 1) / AMX_ROWS;
+  // One pass a pair (up to 16 rows): each tile step is laid out in L1 just before its tiles load, as CodesPass
+  // does; more: whole panels (k_tiles steps a pair), laid out once a call and walked as run_amx_panels walks.
+  const bool streamed = passes == 1;
+  const int64_t panel_bytes = streamed ? pair_bytes : k_tiles * AMX_INT8_STEP_BYTES;
+  const auto panels = [&](int64_t p0, int64_t p1) {
+    if (streamed) return reinterpret_cast<const char*>(wp + p0 * pair_bytes);
+    int8_t* panel = thread_scratch<int8_t>((p1 - p0) * panel_bytes);
+    for (int64_t pair = p0; pair < p1; ++pair)
+      for (int64_t t = 0; t < k_tiles; ++t)
+        int8_quad_step(wp + pair * pair_bytes, steps, t, panel + (pair - p0) * panel_bytes + t * AMX_INT8_STEP_BYTES);
+    return reinterpret_cast<const char*>(panel);
+  };
+  amx_walk_panels(m, tile_rows, pairs, passes, panel_bytes, panels, [&](int64_t pair, int64_t pass, const char* w) {
+    alignas(64) float acc[AMX_ROWS * 32];
+    const int64_t r0 = pass * AMX_ROWS, rows = std::min<int64_t>(AMX_ROWS, m - r0);
+    const int8_t* wq = reinterpret_cast<const int8_t*>(w);
+    if (streamed) {
+      alignas(64) int8_t buffer[2][AMX_INT8_STEP_BYTES];
+      amx_int8_pass(hi + r0 * kp, lo + r0 * kp, kp, k_tiles, rows, acc, [&](int64_t t) {
+        for (int64_t l = 0; l < AMX_INT8_STEP_BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wq) + (t + 2) * AMX_INT8_STEP_BYTES + l, _MM_HINT_T0);
+        int8_quad_step(wq, steps, t, buffer[t & 1]);
+        return static_cast<const int8_t*>(buffer[t & 1]);
+      });
+    } else {
+      // Pair by pair (decode batches), the first pass brings the next pair's packed weight into L2, a tile step's
+      // 2 KB a step, so memory streams it while the tiles run; spreading it over every pass timed the same or
+      // slower at 24-96 rows (docs/benchmarks.md, "Round 30").
+      const char* next = pass == 0 && m <= AMX_PANEL_MAJOR_ROWS && pair + 1 < pairs
+                             ? reinterpret_cast<const char*>(wp + (pair + 1) * pair_bytes)
+                             : nullptr;
+      amx_int8_pass(hi + r0 * kp, lo + r0 * kp, kp, k_tiles, rows, acc, [wq, next](int64_t t) {
+        if (next != nullptr)
+          for (int64_t l = 0; l < AMX_INT8_STEP_BYTES; l += 64) _mm_prefetch(next + t * AMX_INT8_STEP_BYTES + l, _MM_HINT_T1);
+        return wq + t * AMX_INT8_STEP_BYTES;
+      });
+    }
+    for (int c = 0; c < 2; ++c) {
+      const int64_t col = (2 * pair + c) * LANES;
+      const int64_t live = std::min<int64_t>(LANES, n - col);
+      if (live <= 0) break;  // the zero block padding N to a multiple of 32
+      const __mmask16 mask = first_lanes(live);
+      const __m512 sc = _mm512_maskz_loadu_ps(mask, wscale + col);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 v = _mm512_fmadd_ps(_mm512_load_ps(acc + r * 32 + c * LANES),
+                                         _mm512_mul_ps(sc, _mm512_set1_ps(xsp[r0 + r])), b);
+        store_row(yp + (r0 + r) * y_stride + col, mask, v);
+      }
+    }
+  });
+}
+#endif
 #endif
 
 
@@ -1030,6 +1220,16 @@ static at::Tensor bias_f32(const c10::optional<at::Tensor>& bias, int64_t n) {
   if (!bias.has_value() || !bias->defined()) return at::Tensor();
   TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [N]");
   return bias->to(at::kFloat).contiguous();
+}
+
+// Whether small_linear_int8 runs batches from AMX_INT8_MIN_ROWS rows on AMX tiles in this process (built for
+// AMX-INT8, permitted, not switched off).
+bool small_linear_int8_amx() {
+#if defined(STREAMKV_AMX_INT8)
+  return amx_on();
+#else
+  return false;
+#endif
 }
 
 bool small_linear_int8_supported() {
@@ -1276,6 +1476,15 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
               "scale must be a contiguous float32 [N]");
   const at::Tensor b32 = bias_f32(bias, n);
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
+#if defined(STREAMKV_AMX_INT8)
+  if (x.size(0) >= AMX_INT8_MIN_ROWS && k <= AMX_INT8_MAX_K && amx_on()) {
+    if (dtype == at::kFloat)
+      run_amx_int8<float>(out, x, packed, scale.data_ptr<float>(), bp, n);
+    else
+      run_amx_int8<at::BFloat16>(out, x, packed, scale.data_ptr<float>(), bp, n);
+    return;
+  }
+#endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   if (dtype == at::kFloat)
     run_int8<float>(out, x, packed, scale.data_ptr<float>(), bp, n);
@@ -1295,6 +1504,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "out = x @ W^T (+ bias) for few rows, W packed (CPU, fp32/bf16, or GGUF codes)",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("small_linear_int8_supported", &small_linear_int8_supported, "whether this build has the int8 kernel");
+  m.def("small_linear_int8_amx", &small_linear_int8_amx,
+        "whether the int8 kernel runs batches of 4 rows and more on AMX tiles in this process");
   m.def("small_linear_gguf_supported", &small_linear_gguf_supported,
         "whether this build runs GGUF Q4_1 and Q8_0 codes (float32 x)");
   m.def("small_linear_gguf_bf16_supported", &small_linear_gguf_bf16_supported,
