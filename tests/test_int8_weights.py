@@ -144,6 +144,20 @@ def test_tile_sums_cannot_overflow_at_the_largest_codes() -> None:
 
 
 @needs_kernel
+def test_k_zero_gives_the_bias_on_either_path() -> None:
+    packed = ops.pack_small_linear_int8(torch.zeros(32, 0, dtype=torch.int8))
+    bias = torch.randn(32)
+    for amx in (False, True):
+        before = ops.set_amx(amx)
+        try:
+            out = torch.full((5, 32), float("nan"))
+            ops.small_linear_int8(out, torch.empty(5, 0), packed, torch.ones(32), bias)
+        finally:
+            ops.set_amx(before)
+        assert torch.equal(out, bias.expand(5, 32))
+
+
+@needs_kernel
 def test_a_row_with_a_non_finite_element_is_nan_and_others_are_not() -> None:
     q, s = quantize_int8(torch.randn(32, 16))
     x = torch.randn(3, 16)

@@ -932,13 +932,13 @@ void quantize_rows(const T* x, int64_t stride, int64_t m, int64_t k, int64_t kp,
   });
 }
 
-// 16 int32 partial sums added to 16 float64 totals (set to them when `first`); exact while a total stays below
-// 2^53, as every int8 matmul's does (|sum| < 2^31 per 512 k).
-inline void add_exact(double* total, __m512i part, bool first) {
+// 16 int32 partial sums added to 16 float64 totals; exact while a total stays below 2^53, as every int8
+// matmul's does (|sum| < 2^31 per 512 k).
+inline void add_exact(double* total, __m512i part) {
   const __m512d lo = _mm512_cvtepi32_pd(_mm512_castsi512_si256(part));
   const __m512d hi = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(part, 1));
-  _mm512_store_pd(total, first ? lo : _mm512_add_pd(_mm512_load_pd(total), lo));
-  _mm512_store_pd(total + 8, first ? hi : _mm512_add_pd(_mm512_load_pd(total + 8), hi));
+  _mm512_store_pd(total, _mm512_add_pd(_mm512_load_pd(total), lo));
+  _mm512_store_pd(total + 8, _mm512_add_pd(_mm512_load_pd(total + 8), hi));
 }
 
 // 16 float64 totals of integers rounded once to fp32 (nearest-even).
@@ -957,6 +957,9 @@ inline void column_pair_int8(const int16_t* xq, int64_t xq_stride, const float* 
                              int64_t rows, int64_t pair, int64_t n, int64_t steps) {
   constexpr int NB = 2;
   alignas(64) double total[NB][ROWS][LANES];  // each output's exact integer sum so far (below 2^53)
+  for (int c = 0; c < NB; ++c)
+    for (int r = 0; r < rows; ++r)
+      for (int h = 0; h < LANES; h += 8) _mm512_store_pd(&total[c][r][h], _mm512_setzero_pd());
   const int8_t* w = packed + pair * steps * 2 * 2 * LANES;
   const int16_t* xr[ROWS];
   for (int r = 0; r < ROWS; ++r) xr[r] = xq + (m0 + std::min<int64_t>(r, rows - 1)) * xq_stride;
@@ -982,7 +985,7 @@ inline void column_pair_int8(const int16_t* xq, int64_t xq_stride, const float* 
     for (int c = 0; c < NB; ++c)
       for (int r = 0; r < ROWS; ++r) {
         if (r >= rows) break;
-        add_exact(total[c][r], acc[c][r], s0 == 0);
+        add_exact(total[c][r], acc[c][r]);
       }
   }
   for (int c = 0; c < NB; ++c) {
@@ -1223,7 +1226,7 @@ static at::Tensor bias_f32(const c10::optional<at::Tensor>& bias, int64_t n) {
 }
 
 // Whether small_linear_int8 runs batches from AMX_INT8_MIN_ROWS rows on AMX tiles in this process (built for
-// AMX-INT8, permitted, not switched off).
+// AMX-INT8, permitted, not switched off); K of 1 to AMX_INT8_MAX_K, other K on vpdpwssd.
 bool small_linear_int8_amx() {
 #if defined(STREAMKV_AMX_INT8)
   return amx_on();
@@ -1477,7 +1480,7 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
   const at::Tensor b32 = bias_f32(bias, n);
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
 #if defined(STREAMKV_AMX_INT8)
-  if (x.size(0) >= AMX_INT8_MIN_ROWS && k <= AMX_INT8_MAX_K && amx_on()) {
+  if (x.size(0) >= AMX_INT8_MIN_ROWS && k > 0 && k <= AMX_INT8_MAX_K && amx_on()) {
     if (dtype == at::kFloat)
       run_amx_int8<float>(out, x, packed, scale.data_ptr<float>(), bp, n);
     else
