@@ -92,8 +92,8 @@ AMX_TILE_K = 32  # run_amx takes K in whole tile steps of 32; other weights run 
 
 # int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows, and one
 # kernel for every row count keeps a row's result independent of the batch it is in. On AMX-INT8 its tile path
-# (run_amx_int8, bitwise the vpdpwssd path's results) runs a decode step's matmuls 1.1-1.5x faster than oneDNN's
-# bf16 matmul at 16-128 rows, and 0.64x at 4,096, where the vpdpwssd path alone was 0.23x
+# (run_amx_int8, bitwise the vpdpwssd path's results) runs a decode step's matmuls 1.05-1.7x as fast as oneDNN's
+# bf16 matmul at 16-128 rows and 0.64-0.72x at 4,096, where the vpdpwssd path alone was 0.23x
 # (load_tests/bench_small_linear.py, int8 rows; docs/benchmarks.md "Round 30").
 INT8_MAX_ROWS = sys.maxsize
 INT8_MAX = 127
