@@ -947,6 +947,25 @@ inline __m512 rounded_total(const double* total) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
 
+// The int8 kernels' epilogue for pair `pair`, rows [m0, m0 + rows) of y: y = sum * (wscale[col] * xs[row])
+// + bias in one fp32 FMA, stored as T (the zero columns padding N to a multiple of 32 are not stored);
+// sum(c, r) gives column block c's 16 sums of row m0 + r. Both paths store through it, so they round alike.
+template <typename T, typename Sums>
+inline void store_int8_pair(T* y, int64_t y_stride, int64_t m0, int64_t rows, int64_t pair, int64_t n,
+                            const float* wscale, const float* bias, const float* xs, const Sums& sum) {
+  for (int c = 0; c < 2; ++c) {
+    const int64_t col = (2 * pair + c) * LANES;
+    const int64_t live = std::min<int64_t>(LANES, n - col);
+    if (live <= 0) break;
+    const __mmask16 mask = first_lanes(live);
+    const __m512 sc = _mm512_maskz_loadu_ps(mask, wscale + col);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r)
+      store_row(y + (m0 + r) * y_stride + col, mask,
+                _mm512_fmadd_ps(sum(c, r), _mm512_mul_ps(sc, _mm512_set1_ps(xs[m0 + r])), b));
+  }
+}
+
 // The two column blocks of pair `pair` for rows [m0, m0 + rows): int16 x pairs against int8 weight pairs
 // widened to int16 (vpmovsxbw), multiplied and summed exactly in int32 (vpdpwssd), added exactly to float64 totals
 // every INT8_FLUSH_STEPS steps and rounded to fp32 once; y = sum * (wscale[col] * xs[row]) + bias. A step of k reads one 64-byte line
@@ -988,19 +1007,8 @@ inline void column_pair_int8(const int16_t* xq, int64_t xq_stride, const float* 
         add_exact(total[c][r], acc[c][r]);
       }
   }
-  for (int c = 0; c < NB; ++c) {
-    const int64_t col = (2 * pair + c) * LANES;
-    const int64_t live = std::min<int64_t>(LANES, n - col);
-    if (live <= 0) break;  // the zero block padding N to a multiple of 32
-    const __mmask16 mask = first_lanes(live);
-    const __m512 sc = _mm512_maskz_loadu_ps(mask, wscale + col);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int r = 0; r < ROWS; ++r) {
-      if (r >= rows) break;
-      const __m512 v = _mm512_fmadd_ps(rounded_total(total[c][r]), _mm512_mul_ps(sc, _mm512_set1_ps(xs[m0 + r])), b);
-      store_row(y + (m0 + r) * y_stride + col, mask, v);
-    }
-  }
+  store_int8_pair(y, y_stride, m0, rows, pair, n, wscale, bias, xs,
+                  [&](int c, int64_t r) { return rounded_total(total[c][r]); });
 }
 
 template <typename T>
@@ -1174,19 +1182,8 @@ void run_amx_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
         return wq + t * AMX_INT8_STEP_BYTES;
       });
     }
-    for (int c = 0; c < 2; ++c) {
-      const int64_t col = (2 * pair + c) * LANES;
-      const int64_t live = std::min<int64_t>(LANES, n - col);
-      if (live <= 0) break;  // the zero block padding N to a multiple of 32
-      const __mmask16 mask = first_lanes(live);
-      const __m512 sc = _mm512_maskz_loadu_ps(mask, wscale + col);
-      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m512 v = _mm512_fmadd_ps(_mm512_load_ps(acc + r * 32 + c * LANES),
-                                         _mm512_mul_ps(sc, _mm512_set1_ps(xsp[r0 + r])), b);
-        store_row(yp + (r0 + r) * y_stride + col, mask, v);
-      }
-    }
+    store_int8_pair(yp, y_stride, r0, rows, pair, n, wscale, bias, xsp,
+                    [&](int c, int64_t r) { return _mm512_load_ps(acc + r * 32 + c * LANES); });
   });
 }
 #endif
