@@ -1044,7 +1044,8 @@ void run_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
 // [-128, 127] and lo = xq & 255 in [0, 255], so sum(xq q) = 256 * sum(hi q) + sum(lo q). Neither tile sum can
 // overflow below K = 65,536 (|lo q| <= 255 * 127 a product), so each runs over the whole of k, and
 // 256 * hi + lo is joined in float64 (exact) and rounded to fp32 once: the integer and the rounding run_int8's
-// float64 totals give. The epilogue is run_int8's, so a row's result is the same whichever kernel its batch takes.
+// float64 totals give. Both store through store_int8_pair, so a row's result is the same whichever kernel its
+// batch takes.
 //   tile 0, 1: C, int32 [rows, 16], hi x block 0 / 1; 2, 3: lo x block 0 / 1
 //   tile 4, 5: A, rows of hi / lo x 64 k
 //   tile 6, 7: B, 16 quads of k x the 16 columns of block 0 / 1, byte 4 j + i = q[column j, 4 r + i]
@@ -1053,9 +1054,9 @@ void run_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
 constexpr int64_t AMX_INT8_K = 64;  // int8 of k per tile step
 constexpr int64_t AMX_INT8_MAX_K = 65536;  // past it a tile's int32 sum of lo x q could overflow
 constexpr int64_t AMX_INT8_STEP_BYTES = 2048;  // one tile step of a pair's panel: 16 quads x 2 blocks x 64 bytes
-// Fewest rows of x that take the tiles. At 1-2 rows run_int8 streams the weight faster (6.3-6.6 against 6.9-7.2
-// ms for a decode step's matmuls), at 3-4 they tie, from 6 the tiles lead (load_tests/bench_small_linear.py,
-// docs/benchmarks.md "Round 30").
+// Fewest rows of x that take the tiles. At one row run_int8 streams the weight faster (6.3-6.5 against 6.9-7.2
+// ms for a decode step's matmuls), at 2-4 rows the two are within the noise of each other, from 6 the tiles
+// lead (load_tests/bench_small_linear.py, docs/benchmarks.md "Round 30").
 constexpr int64_t AMX_INT8_MIN_ROWS = 4;
 
 // Tile step t of a pair's B tiles from its packed steps (pack_small_linear_int8: per step, 2 k of block 0's 16
