@@ -315,7 +315,8 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) 
     kernels = [s for s in small if s is not None]
     mib = sum(s.nbytes for s in kernels) / 2**20
     if int8 and all(s.scale is not None for s in kernels):
-        logger.info("int8 weights: %.0f MiB, on the int8 kernel at every batch size (no dense copy)", mib)
+        tiles = ", on AMX tiles from 4 rows" if kernels and kernels[0].ops.small_linear_int8_amx() else ""
+        logger.info("int8 weights: %.0f MiB, on the int8 kernel at every batch size%s (no dense copy)", mib, tiles)
         return
     if int8:
         logger.warning("this build has no int8 kernel (AVX512-VNNI): the int8 weights run dequantized on oneDNN")
