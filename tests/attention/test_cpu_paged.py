@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from streamkv.attention.kv_layout import gather_slots, write_kv
+from streamkv.attention.kv_layout import gather_slots, quantize, write_kv
 from streamkv.attention.metadata import AttentionMetadata
 from streamkv.attention.torch_paged import TorchPagedAttention
 from streamkv.llm import LLM
@@ -166,6 +166,21 @@ def compare_step(
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 
+def random_rows(gen: torch.Generator, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random K/V rows ``[..., head_dim]`` as a pool of ``dtype`` stores them: fp32 / bf16 values, or for an int8
+    pool each row's codes then its float32 scale (``kv_layout.quantize``)."""
+    x = torch.randn(*shape, generator=gen)
+    return quantize(x, torch.int8).view(torch.int8) if dtype == torch.int8 else x.to(dtype)
+
+
+def poisoned_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A ``[2, num_blocks, block_size, Hkv, head_dim]`` pool that reads NaN wherever nothing was written (an int8
+    row of 0xFF bytes has a NaN scale)."""
+    if dtype == torch.int8:
+        return torch.full((*shape[:-1], shape[-1] + 4), -1, dtype=torch.int8)
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
 @pytest.mark.parametrize("name, dtype, tol", PREFILL_DTYPES)
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 def test_decode_rows_every_dtype_and_block_size(name: str, dtype: torch.dtype, tol: float, block_size: int) -> None:
@@ -206,7 +221,13 @@ def test_decode_every_query_group_size(
 
 @pytest.mark.parametrize(
     "kv_dtype, q_dtype",
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.int8, torch.float32),
+        (torch.int8, torch.bfloat16),
+    ],
 )
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (8, 2), (8, 1), (12, 12)])
@@ -214,14 +235,15 @@ def test_decode_every_query_group_size(
 def test_decode_of_a_batch_equals_each_sequence_alone(
     kv_dtype: torch.dtype, q_dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, block_size: int
 ) -> None:
-    # The AVX2 kernel, and the AVX-512 bf16 kernel under a bf16 query, give a task a whole sequence (all its KV
-    # heads) when the batch has 2 tasks a thread, and one KV head otherwise; a sequence alone takes the second
-    # split, the batch the first (the AVX2 kernel past 256 tokens in partitions, in both). Both must give the
-    # same bits, or greedy output would change with the batch mix. Shuffled blocks of a NaN-poisoned pool.
+    # The AVX2 kernel, the AVX-512 bf16 kernel under a bf16 query and the VNNI int8 kernel (block sizes 16 and 32)
+    # give a task a whole sequence (all its KV heads) when the batch has 2 tasks a thread, and one KV head
+    # otherwise; a sequence alone takes the second split, the batch the first (the AVX2 kernel past 256 tokens in
+    # partitions, in both). Both must give the same bits, or greedy output would change with the batch mix.
+    # Shuffled blocks of a NaN-poisoned pool.
     gen = torch.Generator().manual_seed(head_dim + num_heads)
     seq_lens = [1, 17, 200, 5, 64, 33, 130, 2, 16, 47, 700, 256, 257, 513]
     need = [-(-n // block_size) for n in seq_lens]
-    cache = torch.full((2, sum(need) + 2, block_size, num_kv_heads, head_dim), float("nan"), dtype=kv_dtype)
+    cache = poisoned_pool((2, sum(need) + 2, block_size, num_kv_heads, head_dim), kv_dtype)
     order = torch.randperm(cache.shape[1], generator=gen).tolist()
     tables = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
     for b, (n, blocks) in enumerate(zip(seq_lens, need, strict=True)):
@@ -229,9 +251,9 @@ def test_decode_of_a_batch_equals_each_sequence_alone(
         order = order[blocks:]
         # the tail of a block stays NaN
         slots = tables[b, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
-        cache.view(2, -1, num_kv_heads, head_dim)[:, slots] = torch.randn(
-            2, n, num_kv_heads, head_dim, generator=gen
-        ).to(kv_dtype)
+        cache.view(2, -1, num_kv_heads, cache.shape[-1])[:, slots] = random_rows(
+            gen, 2, n, num_kv_heads, head_dim, dtype=kv_dtype
+        )
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(q_dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     ops = cpu_paged.load_cpu_ops()
@@ -262,20 +284,21 @@ def test_decode_of_a_batch_equals_each_sequence_alone(
         [1, 2, 1, 2, 1, 2, 1, 2, 1],
     ],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_decode_is_the_same_on_any_number_of_threads(seq_lens: list[int], threads: int, dtype: torch.dtype) -> None:
     # The threads split the tasks by their tokens, not their count: every task must still run exactly once
     # (out starts NaN, so a task left out shows) and give the same bits whichever thread runs it. The thread
-    # count also decides whether a task has one KV head or all of them (bf16, or fp32 on AVX2).
+    # count also decides whether a task has one KV head or all of them (bf16, int8 on AVX-512 VNNI, or fp32 on
+    # AVX2).
     gen = torch.Generator().manual_seed(len(seq_lens) + threads)
     need = [-(-n // 16) for n in seq_lens]
-    cache = torch.randn(2, sum(need), 16, 3, 64, generator=gen).to(dtype)
+    cache = random_rows(gen, 2, sum(need), 16, 3, 64, dtype=dtype)
     tables = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
     order = torch.randperm(sum(need), generator=gen).tolist()
     for b, blocks in enumerate(need):
         tables[b, :blocks] = torch.tensor(order[:blocks], dtype=torch.int32)
         order = order[blocks:]
-    query = torch.randn(len(seq_lens), 9, 64, generator=gen).to(dtype)
+    query = torch.randn(len(seq_lens), 9, 64, generator=gen).to(torch.bfloat16 if dtype == torch.int8 else dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     ops = cpu_paged.load_cpu_ops()
     before = torch.get_num_threads()
@@ -292,18 +315,19 @@ def test_decode_is_the_same_on_any_number_of_threads(seq_lens: list[int], thread
     assert torch.equal(out, one)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 # one task per KV head (batch 1), one per sequence (batch 8): the sequence without keys first, between, last
 @pytest.mark.parametrize("batch, empty", [(1, 0), (8, 0), (8, 3), (8, 7)])
 def test_decode_of_a_sequence_without_keys_is_nan_and_leaves_the_others_alone(
     batch: int, empty: int, dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(batch)
-    cache = torch.randn(2, 2 * batch, 16, 3, 64, generator=gen).to(dtype)
+    cache = random_rows(gen, 2, 2 * batch, 16, 3, 64, dtype=dtype)
     tables = torch.arange(2 * batch, dtype=torch.int32).view(batch, 2)
     lens = torch.full((batch,), 20, dtype=torch.int32)
     lens[empty] = 0
-    query, out = torch.randn(batch, 9, 64, generator=gen).to(dtype), torch.zeros(batch, 9, 64, dtype=dtype)
+    q_dtype = torch.bfloat16 if dtype == torch.int8 else dtype
+    query, out = torch.randn(batch, 9, 64, generator=gen).to(q_dtype), torch.zeros(batch, 9, 64, dtype=q_dtype)
     cpu_paged.load_cpu_ops().paged_decode(out, query, cache, tables, lens, 0.125)
     assert out[empty].isnan().all()  # 0 / 0, as the portable kernel gives
     others = torch.ones(batch, dtype=torch.bool)

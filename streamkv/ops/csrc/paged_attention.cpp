@@ -972,26 +972,235 @@ void decode_avx512_bf16(
 #endif
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// The query rows of one (sequence, KV head) task quantized to int16 for vpdpwssd: query head g's D values times
+// the softmax scale, over their own step (the largest |value| / 32767; a NaN element is skipped by the largest, as
+// std::max skipped it). q gets W vectors per query head, q_scale the step of each.
+template <int C, typename q_t>
+inline void quantize_queries_int16(const q_t* src, int64_t stride, int64_t group, __m512 scale16, __m512i* q,
+                                   float* q_scale) {
+  constexpr int W = C / 2;
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 x[C];
+    __m512 absmax = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      x[c] = _mm512_mul_ps(load16(src + g * stride + 16 * c), scale16);
+      absmax = _mm512_max_ps(_mm512_abs_ps(x[c]), absmax);
+    }
+    q_scale[g] = _mm512_reduce_max_ps(absmax) / 32767.f;
+    const __m512 div = _mm512_set1_ps(q_scale[g] > 0.f ? q_scale[g] : 1.f);
+    for (int w = 0; w < W; ++w) {
+      const __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(x[2 * w], div)));
+      const __m256i hi = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(x[2 * w + 1], div)));
+      q[g * W + w] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+  }
+}
+
+// Pass 1 of the int8 kernels for one run of n <= 16 keys (key k's row at keys[k]): scores[g * stride + k] =
+// (q_g . k) * key scale * q_scale[g] for the group's query heads, each key's codes widened to int16 once (into an
+// L1 buffer) for all of them; step(k) is called once for each key as it is read.
+template <int C, typename Step>
+inline void score_run16_int8(const int8_t* const keys[16], int64_t n, int64_t group, const __m512i* q,
+                             const float* q_scale, float* scores, int64_t stride, Step&& step) {
+  constexpr int64_t head_dim = 16 * C;
+  constexpr int W = C / 2;
+  alignas(64) int16_t wide[16 * head_dim];
+  alignas(64) float ks[16];
+  for (int64_t k = 0; k < 16; ++k) {
+    ks[k] = 0.f;
+    if (k >= n) continue;
+    step(k);
+    ks[k] = row_scale(keys[k], head_dim);
+    for (int w = 0; w < W; ++w)
+      _mm512_store_si512(wide + k * head_dim + 32 * w,
+                         _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys[k] + 32 * w))));
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    __m512i part[16];
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) {
+      __m512i s = _mm512_setzero_si512();
+      if (k < n)
+        for (int w = 0; w < W; ++w) s = _mm512_dpwssd_epi32(s, q[g * W + w], _mm512_load_si512(wide + k * head_dim + 32 * w));
+      part[reduce_slot(k)] = s;
+    }
+    const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16i(part)), _mm512_load_ps(ks));
+    _mm512_storeu_ps(scores + g * stride, _mm512_mul_ps(sc, _mm512_set1_ps(q_scale[g])));
+  }
+}
+
+// Pass 2 of the int8 kernels, one run of n <= 16 tokens at a time (V row k at rows[k]; a run is tokens
+// [16 r, 16 r + 16) of its sequence, so its scale does not depend on the task split): the run's softmax weights
+// e = exp(s - max) in fp32 (added to sum16), u = e * V scale quantized to int16 against the run's largest u, then
+// the run's sums over token pairs in int32 added to acc_f in fp32 times the run's step. A NaN u makes its run's
+// step NaN, so NaN V rows stay NaN. The scratch of G query heads (or any group when G == 0) is held here, so a
+// thread allocates it once.
+template <int C, int G>
+struct Int8Runs {
+  static constexpr int64_t head_dim = 16 * C;
+  static constexpr int W = C / 2;
+  int64_t group;
+  HeadVectors<__m512i, G * C> acc;
+  HeadVectors<int16_t, G * 16> w16;  // u_p per query head; pairs (2i, 2i + 1) read as one int32
+  HeadVectors<float, G> steps;
+
+  explicit Int8Runs(int64_t g) : group(G > 0 ? G : g), acc(group * C), w16(group * 16), steps(group) {}
+
+  void accumulate(const int8_t* const rows[16], int64_t n, const float* scores, int64_t stride,
+                  const float* row_max, __m512* sum16, __m512* acc_f) {
+    const int64_t group = G > 0 ? G : this->group;  // a constant bound when G is: the sums then stay in registers
+    alignas(64) float vs[16];
+    for (int64_t k = 0; k < 16; ++k) vs[k] = k < n ? row_scale(rows[k], head_dim) : 0.f;
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 e = _mm512_maskz_mov_ps(
+          live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + g * stride), _mm512_set1_ps(row_max[g]))));
+      sum16[g] = _mm512_add_ps(sum16[g], e);
+      const __m512 u = _mm512_mul_ps(e, _mm512_load_ps(vs));  // lanes past n are 0
+      float step = _mm512_reduce_max_ps(u) / 32767.f;
+      if (_mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q)) step = std::numeric_limits<float>::quiet_NaN();
+      steps[g] = step;
+      const __m512 inv_step = _mm512_set1_ps(step > 0.f ? 1.f / step : 1.f);  // one scalar divide, not 16
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&w16[16 * g]),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(u, inv_step))));
+      for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_si512();
+    }
+    for (int64_t k = 0; k < n; k += 2) {
+      const int8_t* v0 = rows[k];
+      const int8_t* v1 = k + 1 < n ? rows[k + 1] : nullptr;
+      __m512i vi[C];
+      for (int w = 0; w < W; ++w) {
+        const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 32 * w)));
+        const __m512i c = v1 != nullptr
+                              ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 32 * w)))
+                              : _mm512_setzero_si512();
+        vi[2 * w] = _mm512_unpacklo_epi16(a, c);
+        vi[2 * w + 1] = _mm512_unpackhi_epi16(a, c);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, &w16[16 * g + k], sizeof(pair));
+        const __m512i wp = _mm512_set1_epi32(pair);
+        for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_dpwssd_epi32(acc[g * C + c], wp, vi[c]);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 step = _mm512_set1_ps(steps[g]);
+      for (int c = 0; c < C; ++c)
+        acc_f[g * C + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g * C + c]), step, acc_f[g * C + c]);
+    }
+  }
+};
+
+// decode_avx512_int8 with one task per sequence, all of its KV heads (a batch of kTasksPerThread sequences a thread
+// or more, a block size that is a multiple of 16, a constant query group G): decode_avx512_bf16_seqs's walk on an
+// int8 cache. Each head's arithmetic is decode_avx512_int8's to the bit (the same queries, the same 16-token runs,
+// the same pairs in the same order), so a sequence's output does not depend on which split its batch takes. A task
+// reads each block's span of every head (block_size x Hkv rows, one contiguous stretch) head after head, and asks
+// for the next span a few lines at each row; one task per KV head reads 68 bytes in every 204 of a span and leaves
+// the rest to the other heads' tasks. 30 layers' pools from memory, 2 threads, B=64 x 220 tokens: see
+// docs/benchmarks.md, "Round 31".
+template <int C, int G, typename q_t>
+void decode_avx512_int8_seqs(const DecodeView<q_t, int8_t>& view, __m512 scale16) {
+  constexpr int W = C / 2;  // 32-code int16 vectors per row
+  const auto cost = [lens = view.len_ptr, heads = view.num_kv_heads](int64_t b) {
+    return std::max<int64_t>(lens[b], 0) * heads + kTaskCostTokens;
+  };
+  parallel_for_by_cost(view.num_seqs, cost, [&](int64_t begin, int64_t end) {
+    const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
+    const int64_t heads = d.num_kv_heads, rows = heads * G;
+    std::vector<__m512i> q(rows * W);
+    std::vector<__m512> acc_f(rows * C), sum16(rows);
+    std::vector<float> q_scale(rows), row_max(rows), scores(rows * d.padded_len);
+    Int8Runs<C, G> runs(G);
+    const int64_t span_lines = (d.block_stride + 63) / 64;
+    // Lines of the next span asked for at each row read: the whole span by the end of the block.
+    const int64_t row_lines = (span_lines + heads * d.block_size - 1) / (heads * d.block_size);
+    auto ask = [span_lines, row_lines](const int8_t* span, int64_t step) {
+      if (span == nullptr) return;
+      const char* p = reinterpret_cast<const char*>(span);
+      for (int64_t l = step * row_lines; l < std::min(span_lines, (step + 1) * row_lines); ++l)
+        asm volatile("prefetcht0 %0" : : "m"(p[l * 64]));
+    };
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = d.len_ptr[b];
+      const int32_t* table = d.bt_ptr + b * d.bt_stride;
+      const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
+      auto span = [&](int64_t j, int half) { return d.kv_ptr + half * d.v_offset + table[j] * d.block_stride; };
+      quantize_queries_int16<C>(d.q_ptr + b * d.q_stride_s, d.q_stride_h, rows, scale16, q.data(), q_scale.data());
+      std::fill(acc_f.begin(), acc_f.end(), _mm512_setzero_ps());
+      std::fill(sum16.begin(), sum16.end(), _mm512_setzero_ps());
+      // Pass 1: scores[h * G + g, p], block by block, every head, runs of up to 16 keys.
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const int8_t* base = span(j, 0);
+        const int8_t* next = j + 1 < num_blocks ? span(j + 1, 0) : span(0, 1);
+        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
+        int64_t step = 0;
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
+            const int64_t n = std::min<int64_t>(16, block_len - k0), p0 = j * d.block_size + k0;
+            const int8_t* keys[16];
+            for (int64_t k = 0; k < n; ++k) keys[k] = base + (k0 + k) * d.slot_stride + h * d.row;
+            score_run16_int8<C>(keys, n, G, &q[h * G * W], &q_scale[h * G], &scores[h * G * d.padded_len + p0],
+                                d.padded_len, [&](int64_t) { ask(next, step++); });
+          }
+      }
+      for (int64_t r = 0; r < rows; ++r) row_max[r] = masked_max(&scores[r * d.padded_len], len);
+      // Pass 2: every head's 16-token runs of a block (the block size is a multiple of 16, so a run is never split).
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const int8_t* base = span(j, 1);
+        const int8_t* next = j + 1 < num_blocks ? span(j + 1, 1)
+                             : b + 1 < end && d.len_ptr[b + 1] > 0 ? d.kv_ptr + d.bt_ptr[(b + 1) * d.bt_stride] * d.block_stride
+                                                                      : nullptr;
+        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
+        int64_t step = 0;
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
+            const int64_t n = std::min<int64_t>(16, block_len - k0), p0 = j * d.block_size + k0;
+            const int8_t* vrows[16];
+            for (int64_t k = 0; k < n; ++k) {
+              vrows[k] = base + (k0 + k) * d.slot_stride + h * d.row;
+              ask(next, step++);
+            }
+            runs.accumulate(vrows, n, &scores[h * G * d.padded_len + p0], d.padded_len, &row_max[h * G], &sum16[h * G],
+                            &acc_f[h * G * C]);
+          }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum16[r]));
+        __m512 o[C];
+        for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(acc_f[r * C + c], inv);
+        store_deinterleaved<W>(d.o_ptr + b * d.o_stride_s + r * d.o_stride_h, o);
+      }
+    }
+  });
+}
+
 // fp32 or bf16 query on an int8 cache (AVX-512 VNNI): the contract of decode_avx512, both products summed exactly
 // in int32 by vpdpwssd (int16 pairs), the scales applied in fp32 afterwards.
 // - Pass 1: each query head (times the softmax scale) is quantized to int16 with its own scale
 //   (max |q| / 32767, so an element is off by at most 1 / 65534 of the largest: far below the key's own int8
-//   step), and a key row's codes are widened to int16 as they lie: q . k is C / 2 instructions. The score is
-//   that integer times the query's and the key row's scales.
-// - Pass 2: the softmax weight of token p times its V row's scale, u_p, is quantized to int16 against the
-//   largest u of its run of 16 tokens (p / 16), so a token is off by at most 1 / 65534 of its run's largest u
-//   and a long tail of small weights next to one large one is kept (one scale per head would round every u
-//   below 1 / 65534 of the peak to 0). V rows p and p + 1 are widened and interleaved 16 bits at a time, as
-//   decode_avx512_bf16 pairs them; each run's int32 sums go to fp32 times the run's scale. The sum of the
-//   softmax is taken of the unquantized fp32 weights. A NaN u makes its run's scale NaN, so NaN V rows stay NaN.
+//   step), and a key row's codes are widened to int16 once for the group: q . k is C / 2 instructions. The score
+//   is that integer times the query's and the key row's scales (quantize_queries_int16, score_run16_int8).
+// - Pass 2, in runs of 16 tokens (Int8Runs): the softmax weight of token p times its V row's scale, u_p, is
+//   quantized to int16 against the largest u of its run (p / 16), so a token is off by at most 1 / 65534 of its
+//   run's largest u and a long tail of small weights next to one large one is kept (one scale per head would round
+//   every u below 1 / 65534 of the peak to 0). V rows p and p + 1 are widened and interleaved 16 bits at a time, as
+//   decode_avx512_bf16 pairs them; each run's int32 sums go to fp32 times the run's scale. The sum of the softmax
+//   is taken of the unquantized fp32 weights. Each V row's scale is read as its run starts, after the thread's
+//   RowsAhead asked for the row.
 // Measured against the bf16 kernel: docs/benchmarks.md, "int8 KV: the write and the decode kernel in C++".
 template <int C, int G, typename q_t>
 void decode_avx512_int8(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-  constexpr int64_t head_dim = 16 * C;
   constexpr int W = C / 2;  // 32-code int16 vectors per row
   const DecodeView<q_t, int8_t> view(out, query, kv_cache, block_tables, seq_lens);
+  const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
+  if constexpr (G > 0) {
+    if (view.block_size % 16 == 0 && view.num_seqs >= kTasksPerThread * at::get_num_threads())
+      return decode_avx512_int8_seqs<C, G>(view, scale16);
+  }
 
   parallel_for_by_cost(view.num_seqs * view.num_kv_heads, seq_head_cost(view.len_ptr, view.num_kv_heads),
                        [&](int64_t begin, int64_t end) {
@@ -999,118 +1208,42 @@ void decode_avx512_int8(
     RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
     const int64_t group = G > 0 ? G : d.group;
     HeadVectors<__m512i, G * W> q(group * W);
-    HeadVectors<__m512i, G * C> acc(group * C);
     HeadVectors<__m512, G * C> acc_f(group * C);
-    HeadVectors<float, G> q_scale(group), inv_sum(group);
-    std::vector<float> scores(group * d.padded_len), v_scale(d.padded_len);
-    std::vector<int16_t> weights(group * d.padded_len);  // int16 u_p; pairs (2i, 2i + 1) read as one int32
-    std::vector<float> run_scale(group * (d.padded_len / 16));  // the int16 step of u in each 16-token run
+    HeadVectors<__m512, G> sum16(group);
+    HeadVectors<float, G> q_scale(group), row_max(group);
+    std::vector<float> scores(group * d.padded_len);
+    Int8Runs<C, G> runs(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / d.num_kv_heads, h = task % d.num_kv_heads;
       const int64_t len = d.len_ptr[b];
       const int32_t* table = d.bt_ptr + b * d.bt_stride;
       const int64_t num_blocks = (len + d.block_size - 1) / d.block_size;
       auto block_row = [&](int64_t j) { return d.kv_ptr + table[j] * d.block_stride + h * d.row; };
+      quantize_queries_int16<C>(d.q_ptr + b * d.q_stride_s + h * d.group * d.q_stride_h, d.q_stride_h, group, scale16,
+                                &q[0], &q_scale[0]);
       for (int64_t g = 0; g < group; ++g) {
-        const q_t* src = d.q_ptr + b * d.q_stride_s + (h * d.group + g) * d.q_stride_h;
-        alignas(64) float tmp[head_dim];
-        float absmax = 0.f;
-        for (int64_t i = 0; i < head_dim; ++i) {
-          tmp[i] = static_cast<float>(src[i]) * static_cast<float>(scale);
-          absmax = std::max(absmax, std::fabs(tmp[i]));
-        }
-        q_scale[g] = absmax / 32767.f;
-        const __m512 div = _mm512_set1_ps(q_scale[g] > 0.f ? q_scale[g] : 1.f);
-        for (int w = 0; w < W; ++w) {
-          const __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_load_ps(tmp + 32 * w), div)));
-          const __m256i hi =
-              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_load_ps(tmp + 32 * w + 16), div)));
-          q[g * W + w] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        }
-        for (int c = 0; c < C; ++c) {
-          acc[g * C + c] = _mm512_setzero_si512();
-          acc_f[g * C + c] = _mm512_setzero_ps();
-        }
+        for (int c = 0; c < C; ++c) acc_f[g * C + c] = _mm512_setzero_ps();
+        sum16[g] = _mm512_setzero_ps();
       }
       // Pass 1: scores[g, p] = (q_g . k_p) * q_scale_g * k_scale_p, up to 16 keys of a block at a time.
       for_each_key_run(d, block_row, num_blocks, len, [&](const int8_t* base, int64_t k0, int64_t n, int64_t p0) {
-        alignas(64) float ks[16];
-        for (int64_t k = 0; k < 16; ++k) ks[k] = k < n ? row_scale(base + (k0 + k) * d.slot_stride, head_dim) : 0.f;
-        for (int64_t g = 0; g < group; ++g) {
-          __m512i part[16];
-#pragma GCC unroll 16
-          for (int k = 0; k < 16; ++k) {
-            __m512i s = _mm512_setzero_si512();
-            if (k < n) {
-              const int8_t* key = base + (k0 + k) * d.slot_stride;
-              if (g == 0) ahead.step();
-              for (int w = 0; w < W; ++w)
-                s = _mm512_dpwssd_epi32(
-                    s, q[g * W + w],
-                    _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + 32 * w))));
-            }
-            part[reduce_slot(k)] = s;
-          }
-          const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16i(part)), _mm512_load_ps(ks));
-          _mm512_storeu_ps(&scores[g * d.padded_len + p0], _mm512_mul_ps(sc, _mm512_set1_ps(q_scale[g])));
-        }
+        const int8_t* keys[16];
+        for (int64_t k = 0; k < n; ++k) keys[k] = base + (k0 + k) * d.slot_stride;
+        score_run16_int8<C>(keys, n, group, &q[0], &q_scale[0], &scores[p0], d.padded_len,
+                            [&](int64_t) { ahead.step(); });
       });
-      // The V rows' scales (this walk also brings the rows of the first blocks in for pass 2).
-      for (int64_t j = 0, p = 0; j < num_blocks; ++j) {
-        const int8_t* base = block_row(j) + d.v_offset;
-        for (int64_t k = 0; k < d.block_size && p < len; ++k, ++p) v_scale[p] = row_scale(base + k * d.slot_stride, head_dim);
-      }
-      // Softmax per query head in fp32; u_p = weight * V scale, quantized to int16 against the head's largest u.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = &scores[g * d.padded_len];
-        const __m512 m = _mm512_set1_ps(masked_max(s, len));
-        __m512 sum16 = _mm512_setzero_ps();
-        for (int64_t p = 0; p < len; p += 16) {
-          const __mmask16 live = live_lanes(len, p);
-          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + p), m)));
-          sum16 = _mm512_add_ps(sum16, e);
-          const __m512 u = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(live, &v_scale[p]));  // lanes past len are 0
-          float step = _mm512_reduce_max_ps(u) / 32767.f;
-          if (_mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q)) step = std::numeric_limits<float>::quiet_NaN();
-          run_scale[g * (d.padded_len / 16) + p / 16] = step;
-          const __m512 divisor = _mm512_set1_ps(step > 0.f ? step : 1.f);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(&weights[g * d.padded_len + p]),
-                              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(u, divisor))));
-        }
-        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum16);
-      }
-      // Pass 2: acc_g += u_g,p v_p + u_g,p+1 v_p+1 over token pairs, each row asked for ahead as in pass 1.
+      for (int64_t g = 0; g < group; ++g) row_max[g] = masked_max(&scores[g * d.padded_len], len);
+      // Pass 2: acc_g += u_g,p v_p + u_g,p+1 v_p+1, 16 tokens at a time, each row asked for ahead as in pass 1.
       auto v_row = [&](int64_t jj) { return block_row(jj) + d.v_offset; };
       TokenPairs<int8_t, decltype(v_row), decltype(ahead)> pairs{v_row, ahead, d.block_size, d.slot_stride, len};
-      for (int64_t p = 0; p < len; p += 2) {
-        const int8_t* v0 = pairs.next(p);
-        const int8_t* v1 = pairs.next(p + 1);
-        __m512i vi[C];
-        for (int w = 0; w < W; ++w) {
-          const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 32 * w)));
-          const __m512i c = v1 != nullptr
-                                ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 32 * w)))
-                                : _mm512_setzero_si512();
-          vi[2 * w] = _mm512_unpacklo_epi16(a, c);
-          vi[2 * w + 1] = _mm512_unpackhi_epi16(a, c);
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          int32_t pair;
-          std::memcpy(&pair, &weights[g * d.padded_len + p], sizeof(pair));
-          const __m512i wp = _mm512_set1_epi32(pair);
-          for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_dpwssd_epi32(acc[g * C + c], wp, vi[c]);
-        }
-        if ((p + 2) % 16 == 0 || p + 2 >= len)  // the end of a 16-token run: its sums to fp32, times its scale
-          for (int64_t g = 0; g < group; ++g) {
-            const __m512 step = _mm512_set1_ps(run_scale[g * (d.padded_len / 16) + p / 16]);
-            for (int c = 0; c < C; ++c) {
-              acc_f[g * C + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g * C + c]), step, acc_f[g * C + c]);
-              acc[g * C + c] = _mm512_setzero_si512();
-            }
-          }
+      for (int64_t p0 = 0; p0 < len; p0 += 16) {
+        const int64_t n = std::min<int64_t>(16, len - p0);
+        const int8_t* vrows[16];
+        for (int64_t k = 0; k < n; ++k) vrows[k] = pairs.next(p0 + k);
+        runs.accumulate(vrows, n, &scores[p0], d.padded_len, &row_max[0], &sum16[0], &acc_f[0]);
       }
       for (int64_t g = 0; g < group; ++g) {
-        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum16[g]));
         __m512 o[C];
         for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(acc_f[g * C + c], inv);
         store_deinterleaved<W>(d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h, o);
