@@ -126,7 +126,7 @@ def test_bf16_codes_give_the_weights_bf16_rounding_bitwise(kind: str, use_amx: b
 @pytest.mark.parametrize("use_amx", [True, False], ids=["amx", "vdpbf16ps"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (50, 64), (33, 32)])
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 17, 32, 33, 64, 128, 129, 300])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 17, 32, 33, 48, 64, 65, 128, 129, 300])
 def test_bitwise_the_bf16_kernel_on_the_rounded_weight(kind: str, n: int, k: int, rows: int, use_amx: bool) -> None:
     c = random_codes(kind, n, k, seed=rows)
     w = c.dequantize().to(torch.bfloat16)

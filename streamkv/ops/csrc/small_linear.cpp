@@ -638,8 +638,15 @@ struct CodesPass {
 };
 #endif
 
+// The most rows run_gguf_bf16 runs through CodesPass on AMX: two passes of 32 rows, the second dequantizing the
+// pair's codes again from L1 / L2 where a dequantized panel would be written and read back. A decode step's matmuls (load_tests/bench_small_linear.py --dtypes gguf_bf16, three
+// alternations, as a share of oneDNN's time in the same run): 48 rows 0.70-0.76 -> 0.68-0.70, 64 rows
+// 0.73-0.78 -> 0.69-0.77; at 96 and 128 rows the dequantized panels stay faster (24.5 / 28.3 against 26.3 / 35.4
+// ms; docs/benchmarks.md, "Round 31").
+constexpr int64_t AMX_CODES_MAX_ROWS = 64;
+
 // y = x W^T (+ b) for bf16 x and out, W as GGUF codes in Layout's order, packed [N/32, K/32, Layout::BYTES / 16,
-// 16]. On AMX, up to 32 rows (one pass over each pair: decode batches) run_amx_panels runs CodesPass on the codes
+// 16]. On AMX, up to AMX_CODES_MAX_ROWS rows (decode batches) run_amx_panels runs CodesPass on the codes
 // themselves; more rows, over panels dequantized into a thread-local buffer, one pair at a time up to
 // AMX_PANEL_MAJOR_ROWS rows and a chunk of pairs (AMX_CHUNK_BYTES of bf16) past them, each panel dequantized once
 // a call. Without AMX: run()'s passes of vdpbf16ps over each pair's dequantized panel. Either way a row's result
@@ -653,7 +660,7 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   const int64_t panel_elems = k * 2 * LANES;  // bf16 of a pair's panel
 #if defined(STREAMKV_AMX)
   if (amx_takes(k) && amx_on()) {
-    if (m <= 2 * AMX_ROWS) {
+    if (m <= AMX_CODES_MAX_ROWS) {
       const char* codes = reinterpret_cast<const char*>(wp);
       run_amx_panels(out, x, pairs, bias, n, pair_bytes, [&](int64_t p0, int64_t) { return codes + p0 * pair_bytes; },
                      CodesPass<Layout>{blocks});
