@@ -1130,42 +1130,40 @@ void decode_avx512_int8_seqs(const DecodeView<q_t, int8_t>& view, __m512 scale16
       quantize_queries_int16<C>(d.q_ptr + b * d.q_stride_s, d.q_stride_h, rows, scale16, q.data(), q_scale.data());
       std::fill(acc_f.begin(), acc_f.end(), _mm512_setzero_ps());
       std::fill(sum16.begin(), sum16.end(), _mm512_setzero_ps());
-      // Pass 1: scores[h * G + g, p], block by block, every head, runs of up to 16 keys.
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const int8_t* base = span(j, 0);
-        const int8_t* next = j + 1 < num_blocks ? span(j + 1, 0) : span(0, 1);
-        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
-        int64_t step = 0;
-        for (int64_t h = 0; h < heads; ++h)
-          for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
-            const int64_t n = std::min<int64_t>(16, block_len - k0), p0 = j * d.block_size + k0;
-            const int8_t* keys[16];
-            for (int64_t k = 0; k < n; ++k) keys[k] = base + (k0 + k) * d.slot_stride + h * d.row;
-            score_run16_int8<C>(keys, n, G, &q[h * G * W], &q_scale[h * G], &scores[h * G * d.padded_len + p0],
-                                d.padded_len, [&](int64_t) { ask(next, step++); });
-          }
-      }
-      for (int64_t r = 0; r < rows; ++r) row_max[r] = masked_max(&scores[r * d.padded_len], len);
-      // Pass 2: every head's 16-token runs of a block (the block size is a multiple of 16, so a run is never split).
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const int8_t* base = span(j, 1);
-        const int8_t* next = j + 1 < num_blocks ? span(j + 1, 1)
-                             : b + 1 < end && d.len_ptr[b + 1] > 0 ? d.kv_ptr + d.bt_ptr[(b + 1) * d.bt_stride] * d.block_stride
-                                                                      : nullptr;
-        const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
-        int64_t step = 0;
-        for (int64_t h = 0; h < heads; ++h)
-          for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
-            const int64_t n = std::min<int64_t>(16, block_len - k0), p0 = j * d.block_size + k0;
-            const int8_t* vrows[16];
-            for (int64_t k = 0; k < n; ++k) {
-              vrows[k] = base + (k0 + k) * d.slot_stride + h * d.row;
-              ask(next, step++);
+      // Every head's runs of up to 16 tokens in one half of the pool (0: K, 1: V), block by block: body(h, rows, n,
+      // p0, ask_row) gets run p0 / 16 of head h (a block size that is a multiple of 16 never splits a run) and calls
+      // ask_row once for each row it reads, which asks for a few lines of the next span (after the last block:
+      // `after`).
+      auto each_run = [&](int half, const int8_t* after, auto&& body) {
+        for (int64_t j = 0; j < num_blocks; ++j) {
+          const int8_t* base = span(j, half);
+          const int8_t* next = j + 1 < num_blocks ? span(j + 1, half) : after;
+          const int64_t block_len = std::min(d.block_size, len - j * d.block_size);
+          int64_t step = 0;
+          for (int64_t h = 0; h < heads; ++h)
+            for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
+              const int64_t n = std::min<int64_t>(16, block_len - k0);
+              const int8_t* run[16];
+              for (int64_t k = 0; k < n; ++k) run[k] = base + (k0 + k) * d.slot_stride + h * d.row;
+              body(h, run, n, j * d.block_size + k0, [&](int64_t) { ask(next, step++); });
             }
-            runs.accumulate(vrows, n, &scores[h * G * d.padded_len + p0], d.padded_len, &row_max[h * G], &sum16[h * G],
-                            &acc_f[h * G * C]);
-          }
-      }
+        }
+      };
+      // Pass 1: scores[h * G + g, p].
+      each_run(0, num_blocks > 0 ? span(0, 1) : nullptr,
+               [&](int64_t h, const int8_t* const* keys, int64_t n, int64_t p0, auto&& ask_row) {
+                 score_run16_int8<C>(keys, n, G, &q[h * G * W], &q_scale[h * G], &scores[h * G * d.padded_len + p0],
+                                     d.padded_len, ask_row);
+               });
+      for (int64_t r = 0; r < rows; ++r) row_max[r] = masked_max(&scores[r * d.padded_len], len);
+      // Pass 2: acc_f, sum16; then the next sequence's first K span is asked for.
+      const int8_t* next_seq = b + 1 < end && d.len_ptr[b + 1] > 0 ? d.kv_ptr + d.bt_ptr[(b + 1) * d.bt_stride] * d.block_stride
+                                                                   : nullptr;
+      each_run(1, next_seq, [&](int64_t h, const int8_t* const* vrows, int64_t n, int64_t p0, auto&& ask_row) {
+        for (int64_t k = 0; k < n; ++k) ask_row(k);
+        runs.accumulate(vrows, n, &scores[h * G * d.padded_len + p0], d.padded_len, &row_max[h * G], &sum16[h * G],
+                        &acc_f[h * G * C]);
+      });
       for (int64_t r = 0; r < rows; ++r) {
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum16[r]));
         __m512 o[C];
