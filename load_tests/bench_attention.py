@@ -17,6 +17,8 @@ together, then one block per sequence in turn as decode fills them):
 
     .venv/bin/python -m load_tests.bench_attention --threads 2 --layers 30 --tables engine \
         --batches 32,64 --contexts 192 --dtypes float32,bfloat16,int8
+
+An int8 pool gets float32 queries unless ``--int8-query bfloat16`` (what a bf16 model's decode sends it).
 """
 
 from __future__ import annotations
@@ -62,7 +64,14 @@ def make_pool(num_blocks: int, dtype: torch.dtype, gen: torch.Generator) -> torc
     return torch.randn(2, num_blocks, BS, HKV, D, generator=gen).to(dtype)
 
 
-def make_step(batch: int, context: int, dtype: torch.dtype, seed: int = 0, tables_order: str = "shuffled"):
+def make_step(
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    tables_order: str = "shuffled",
+    int8_query: torch.dtype = torch.float32,
+):
     gen = torch.Generator().manual_seed(seed)
     per_seq = -(-context // BS)
     num_blocks = batch * per_seq + 8
@@ -73,7 +82,7 @@ def make_step(batch: int, context: int, dtype: torch.dtype, seed: int = 0, table
         tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
     kv = make_pool(num_blocks, dtype, gen)
     meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, BS)
-    q = torch.randn(batch, HQ, D, generator=gen).to(torch.float32 if dtype == torch.int8 else dtype)
+    q = torch.randn(batch, HQ, D, generator=gen).to(int8_query if dtype == torch.int8 else dtype)
     return q, kv, meta
 
 
@@ -98,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10, help="calls per round")
     p.add_argument("--layers", type=int, default=1, help="> 1: the C++ op alone over this many distinct pools")
     p.add_argument("--tables", choices=("shuffled", "engine"), default="shuffled", help="block table layout")
+    p.add_argument("--int8-query", choices=("float32", "bfloat16"), default="float32",
+                   help="the query dtype over an int8 pool (a bf16 model's decode runs bfloat16)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.layers > 1:
@@ -142,7 +153,8 @@ def cold_layers(args: argparse.Namespace) -> int:
         dtype = getattr(torch, dtype_name)
         for batch in map(int, args.batches.split(",")):
             for context in map(int, args.contexts.split(",")):
-                steps = [make_step(batch, context, dtype, seed=i, tables_order=args.tables) for i in range(args.layers)]
+                steps = [make_step(batch, context, dtype, seed=i, tables_order=args.tables,
+                                   int8_query=getattr(torch, args.int8_query)) for i in range(args.layers)]
                 q, _, meta = steps[0]
                 out = torch.empty_like(q)
                 tables, lens = meta.block_tables.to(torch.int32), meta.seq_lens.to(torch.int32)
