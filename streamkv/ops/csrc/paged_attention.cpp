@@ -1021,7 +1021,8 @@ inline void score_run16_int8(const int8_t* const keys[16], int64_t n, int64_t gr
     for (int k = 0; k < 16; ++k) {
       __m512i s = _mm512_setzero_si512();
       if (k < n)
-        for (int w = 0; w < W; ++w) s = _mm512_dpwssd_epi32(s, q[g * W + w], _mm512_load_si512(wide + k * head_dim + 32 * w));
+        for (int w = 0; w < W; ++w)
+          s = _mm512_dpwssd_epi32(s, q[g * W + w], _mm512_load_si512(wide + k * head_dim + 32 * w));
       part[reduce_slot(k)] = s;
     }
     const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16i(part)), _mm512_load_ps(ks));
@@ -1060,9 +1061,12 @@ struct Int8Runs {
       float step = _mm512_reduce_max_ps(u) / 32767.f;
       if (_mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q)) step = std::numeric_limits<float>::quiet_NaN();
       steps[g] = step;
-      const __m512 inv_step = _mm512_set1_ps(step > 0.f ? 1.f / step : 1.f);  // one scalar divide, not 16
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&w16[16 * g]),
-                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(u, inv_step))));
+      // One scalar divide, not 16; a step below the smallest normal float (1 / step would overflow, and 0 * inf
+      // turn a zero weight into -32768), zero or NaN divides as before.
+      const __m512 codes = step >= std::numeric_limits<float>::min()
+                               ? _mm512_mul_ps(u, _mm512_set1_ps(1.f / step))
+                               : _mm512_div_ps(u, _mm512_set1_ps(step > 0.f ? step : 1.f));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&w16[16 * g]), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(codes)));
       for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_si512();
     }
     for (int64_t k = 0; k < n; k += 2) {
@@ -1157,8 +1161,8 @@ void decode_avx512_int8_seqs(const DecodeView<q_t, int8_t>& view, __m512 scale16
                });
       for (int64_t r = 0; r < rows; ++r) row_max[r] = masked_max(&scores[r * d.padded_len], len);
       // Pass 2: acc_f, sum16; then the next sequence's first K span is asked for.
-      const int8_t* next_seq = b + 1 < end && d.len_ptr[b + 1] > 0 ? d.kv_ptr + d.bt_ptr[(b + 1) * d.bt_stride] * d.block_stride
-                                                                   : nullptr;
+      const int8_t* next_seq =
+          b + 1 < end && d.len_ptr[b + 1] > 0 ? d.kv_ptr + d.bt_ptr[(b + 1) * d.bt_stride] * d.block_stride : nullptr;
       each_run(1, next_seq, [&](int64_t h, const int8_t* const* vrows, int64_t n, int64_t p0, auto&& ask_row) {
         for (int64_t k = 0; k < n; ++k) ask_row(k);
         runs.accumulate(vrows, n, &scores[h * G * d.padded_len + p0], d.padded_len, &row_max[h * G], &sum16[h * G],

@@ -639,8 +639,9 @@ struct CodesPass {
 #endif
 
 // The most rows run_gguf_bf16 runs through CodesPass on AMX: two passes of 32 rows, the second dequantizing the
-// pair's codes again from L1 / L2 where a dequantized panel would be written and read back. A decode step's matmuls (load_tests/bench_small_linear.py --dtypes gguf_bf16, three
-// alternations, as a share of oneDNN's time in the same run): 48 rows 0.70-0.76 -> 0.68-0.70, 64 rows
+// pair's codes again from L1 / L2 where a dequantized panel would be written and read back. A decode step's
+// matmuls (load_tests/bench_small_linear.py --dtypes gguf_bf16, three alternations, as a share of oneDNN's time
+// in the same run): 48 rows 0.70-0.76 -> 0.68-0.70, 64 rows
 // 0.73-0.78 -> 0.69-0.77; at 96 and 128 rows the dequantized panels stay faster (24.5 / 28.3 against 26.3 / 35.4
 // ms; docs/benchmarks.md, "Round 31").
 constexpr int64_t AMX_CODES_MAX_ROWS = 64;
