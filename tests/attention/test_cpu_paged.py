@@ -230,7 +230,7 @@ def test_decode_every_query_group_size(
     ],
 )
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (8, 2), (8, 1), (12, 12)])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (4, 2), (8, 2), (8, 1), (12, 12)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_of_a_batch_equals_each_sequence_alone(
     kv_dtype: torch.dtype, q_dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, block_size: int
