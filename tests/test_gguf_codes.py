@@ -33,7 +33,7 @@ from streamkv.model.gguf_codes import (
     gguf_tensor_table,
     read_gguf_codes,
 )
-from streamkv.model.linear import Linear, SmallMatmul, has_gguf_kernel
+from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS, Linear, SmallMatmul, has_gguf_kernel
 from streamkv.ops.cpu_ops import load_linear_ops
 
 ops = load_linear_ops()
@@ -76,24 +76,6 @@ def test_dequantize_and_the_block_reader_are_gguf_pys(kind: str) -> None:
     assert type(back) is type(c) and torch.equal(back.dequantize(), expected) and torch.equal(back.codes, c.codes)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (50, 64), (33, 32)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 24, 25, 37, 64, 128, 300])
-def test_bitwise_the_fp32_kernel_on_the_dequantized_weight(kind: str, n: int, k: int, rows: int) -> None:
-    c = random_codes(kind, n, k, seed=rows)
-    w = c.dequantize()
-    bias = torch.randn(n)
-    x = torch.randn(rows, k)
-    expected, got = torch.empty(rows, n), torch.empty(rows, n)
-    ops.small_linear(expected, x, ops.pack_small_linear(w), bias)
-    ops.small_linear(got, x, c.pack(ops), bias)
-    assert torch.equal(got, expected)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
-
-
-needs_bf16 = pytest.mark.skipif(not has_gguf_kernel(ops, torch.bfloat16), reason="needs an AVX512-BF16 build")
-
-
 @contextlib.contextmanager
 def amx(on: bool) -> Iterator[None]:
     """The extension's AMX kernels switched on or off (skips when on is asked of a CPU without them)."""
@@ -105,6 +87,75 @@ def amx(on: bool) -> Iterator[None]:
         yield
     finally:
         ops.set_amx(before)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (50, 64), (33, 32)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 24, 25, 37, 64, 128, 300])
+def test_bitwise_the_fp32_kernel_on_the_dequantized_weight(kind: str, n: int, k: int, rows: int) -> None:
+    """The FMA path, which takes every row count with AMX off and up to SMALL_LINEAR_MAX_ROWS rows with it on."""
+    c = random_codes(kind, n, k, seed=rows)
+    w = c.dequantize()
+    bias = torch.randn(n)
+    x = torch.randn(rows, k)
+    expected, got = torch.empty(rows, n), torch.empty(rows, n)
+    with amx(False):
+        ops.small_linear(expected, x, ops.pack_small_linear(w), bias)
+        ops.small_linear(got, x, c.pack(ops), bias)
+    assert torch.equal(got, expected)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+    if rows <= SMALL_LINEAR_MAX_ROWS[torch.float32] and ops.amx():  # AMX on leaves these rows on the FMA path
+        ops.small_linear(got, x, c.pack(ops), bias)
+        assert torch.equal(got, expected)
+
+
+def exact_product(x: torch.Tensor, c: GGUFCodes, magnitudes: bool = False) -> torch.Tensor:
+    """``x @ (d q + m)^T`` in float64 from the codes themselves (exact to ~2^-53). With ``magnitudes``,
+    ``|x| @ (|d q'| + |m'|)^T`` instead: the size of the terms run_gguf_amx_f32 sums, Q4_1's weight taken as
+    ``d (q - 8) + (8 d + m)``, which exceeds ``|x| @ |w|^T`` where a weight is a near cancellation."""
+    d = c.d.double().repeat_interleave(32, dim=1)
+    if isinstance(c, Q4_1Codes):
+        lo, hi = (c.codes & 0xF).double(), (c.codes >> 4).double()
+        q = torch.cat([lo.view(lo.shape[0], -1, 16), hi.view(hi.shape[0], -1, 16)], dim=2).view(lo.shape[0], -1)
+        m = c.m.double().repeat_interleave(32, dim=1)
+        w = (d * (q - 8)).abs() + (8 * d + m).abs() if magnitudes else d * q + m
+    else:
+        w = d * c.codes.double()
+        w = w.abs() if magnitudes else w
+    return (x.double().abs() if magnitudes else x.double()) @ w.T
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (50, 64), (33, 32)])
+@pytest.mark.parametrize("rows", [129, 160, 300])
+def test_fp32_on_amx_tiles_is_as_accurate_as_the_fma_path(kind: str, n: int, k: int, rows: int) -> None:
+    """Past SMALL_LINEAR_MAX_ROWS rows fp32 runs on AMX tiles from exact bf16 pieces of x. Its error against the
+    float64 product of x and the exact weights, over the size of the terms it sums, stays at fp32's level (a
+    product of two pieces would be off by up to 2^-17, of bf16 x by 2^-9), and a row's result does not depend on
+    the rows beside it or its place among them."""
+    c = random_codes(kind, n, k, seed=rows)
+    x = torch.randn(rows, k) * torch.logspace(-3, 3, rows)[:, None]  # rows of every scale
+    x[0, :7] = torch.tensor([0.0, -0.0, 1e-30, 3e-39, 1.0 + 2**-23, -(1.0 + 2**-22), 1e30])  # one huge value
+    bias = torch.randn(n)
+    packed = c.pack(ops)
+    fma, tiles = torch.empty(rows, n), torch.empty(rows, n)
+    with amx(False):
+        ops.small_linear(fma, x, packed, bias)
+    with amx(True):
+        ops.small_linear(tiles, x, packed, bias)
+        exact = exact_product(x, c) + bias.double()
+        size = exact_product(x, c, magnitudes=True) + bias.double().abs()
+        error = ((tiles.double() - exact).abs() / size).max().item()
+        fma_error = ((fma.double() - exact).abs() / size).max().item()
+        assert error <= max(2 * fma_error, 2.0**-22), (error, fma_error)
+        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
+        more = torch.cat([x[perm], torch.randn(37, k)])
+        shuffled = torch.empty(rows + 37, n)
+        ops.small_linear(shuffled, more, packed, bias)
+        assert torch.equal(shuffled[:rows], tiles[perm])
+
+
+needs_bf16 = pytest.mark.skipif(not has_gguf_kernel(ops, torch.bfloat16), reason="needs an AVX512-BF16 build")
 
 
 @needs_bf16

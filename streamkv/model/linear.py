@@ -38,6 +38,15 @@ it streams them, ~5 or 8.5 bits a weight instead of 32 or 16, and its
 results are bitwise those of the float32 weights, or of their bf16
 rounding on the bf16 kernels (AMX tiles or ``vdpbf16ps``).
 
+Past :data:`SMALL_LINEAR_MAX_ROWS` rows (prefill) a float32 model on the
+codes runs on AMX tiles too, where the CPU has them: x is split into three
+bf16 pieces whose sum is x exactly, each product with a code is exact, and
+the tiles sum in fp32 (:data:`GGUF_F32_AMX_MAX_ROWS`). Its error against the
+exact product is at fp32's level (tests/test_gguf_codes.py), its last bits
+differ from the decode rows', as oneDNN's did, and a 4,096-row matmul runs
+about 2.3x as fast as oneDNN's fp32 one, which the FMA units bound
+(docs/benchmarks.md, "Round 32").
+
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
 ``int8``) keeps only int8 codes and a float32 scale per output, run by the
 int8 kernel of the same file at every batch size (:data:`INT8_MAX_ROWS`):
@@ -87,6 +96,12 @@ SMALL_LINEAR_MAX_ROWS_AVX2 = sys.maxsize
 # at 896-1,024 (docs/benchmarks.md, "Round 16"). Past 1,024 rows, and for gate_up past 128, oneDNN is ahead.
 # Only while the AMX switch is on: the vdpbf16ps kernel is 4x slower at these sizes.
 AMX_NARROW_MAX_COLUMNS = 1024
+# A float32 model on the GGUF's codes: past SMALL_LINEAR_MAX_ROWS rows (prefill chunks), while AMX is on, the
+# kernel runs fp32 on AMX tiles from exact bf16 pieces of x (small_linear.cpp, run_gguf_amx_f32; x = x1 + x2 + x3,
+# each product exact, fp32 sums) instead of oneDNN's fp32 matmul, which the FMA units bound. SmolLM2's four
+# projections at 4,096 rows: 37.7 ms a layer against oneDNN's 85.5, at 512 rows 5.3 against 9.8 (2 threads;
+# docs/benchmarks.md, "Round 32"). With AMX off these rows take oneDNN as before.
+GGUF_F32_AMX_MAX_ROWS = sys.maxsize
 AMX_NARROW_MAX_ROWS = 1024
 AMX_TILE_K = 32  # run_amx takes K in whole tile steps of 32; other weights run the vdpbf16ps kernel
 
@@ -188,6 +203,8 @@ class SmallMatmul:
         amx_rows = max(max_rows, AMX_NARROW_MAX_ROWS) if narrow else max_rows
         if codes is not None and has_gguf_kernel(ops, w.dtype):
             packed = codes.pack(ops, bf16=w.dtype == torch.bfloat16)
+            if w.dtype == torch.float32:
+                amx_rows = GGUF_F32_AMX_MAX_ROWS
         else:
             packed = ops.pack_small_linear(w.contiguous())
         return cls(ops, packed, w.shape[0], max_rows, None, b, amx_rows)

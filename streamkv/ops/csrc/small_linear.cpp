@@ -702,6 +702,224 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 }
 #endif
 
+#if defined(STREAMKV_AMX)
+// fp32 x on GGUF codes on AMX tiles, for prefill-sized batches (GGUF_F32_AMX_MIN_ROWS rows and more; fewer run
+// run_gguf's FMA chain). tdpbf16ps multiplies bf16 exactly and sums in fp32, so fp32 arithmetic is built from
+// exact pieces:
+//   x = x1 + x2 + x3, three bf16: x1 = bf16(x) to nearest, x2 = bf16(x - x1), x3 = x - x1 - x2, 8 + 8 + 8 of
+//       fp32's 24 significant bits, exactly (vcvtneps2bf16 reads a subnormal as zero: a piece below 2^-126 is lost)
+//   a code is exact in bf16: Q8_0's q (-128..127), and Q4_1's q - 8 (-8..7; its weight d q + m is
+//       d (q - 8) + m' with m' = 8 d + m, near zero where a block's weights straddle zero)
+// so every product is exact, and a 32-k block's tiles sum S = sum_k x_k q_k in fp32 (Intel SDM: round to
+// nearest even; x1's tile step, then x2's, then x3's). y += d S + m' sum_k x_k in fp32 (no m' for Q8_0), block
+// after block, then the bias: the fp32 dot product of x with the exact weights, summed in another order than
+// run_gguf's FMA chain on fl(d q + m), so its last bits differ from the decode rows', as oneDNN's fp32 matmul's
+// did when it took these rows. Where d S and m' sum x nearly cancel (one huge x against a weight near zero) the
+// two roundings count relative to the larger terms.
+//   tiles 0-3: C, [16 rows, 16 columns] of (row block 0 / 1) x (column block 0 / 1), one block's S
+//   tiles 4, 5: A, 16 rows x 32 bf16 of one piece of one block, row blocks 0 and 1
+//   tiles 6, 7: B, the block's codes as bf16 (k, k + 1) pairs x 16 columns, column blocks 0 and 1
+constexpr int64_t GGUF_F32_AMX_MIN_ROWS = 129;  // = SMALL_LINEAR_MAX_ROWS[float32] + 1 (streamkv/model/linear.py)
+constexpr int64_t F32_PIECES = 3;
+
+// A pair's prepared block: its codes as two B tiles (2 KB), then d and m' (zeros for Q8_0) as fp32 (256 bytes).
+constexpr int64_t F32_BLOCK_TILE_BYTES = 2048;
+constexpr int64_t F32_BLOCK_BYTES = F32_BLOCK_TILE_BYTES + 2 * 2 * LANES * 4;
+
+// bf16 of -8..7 in lanes 0..15 (vpermw's table: Q4_1 code q -> q - 8).
+inline __m512i bf16_of_centred_codes() {
+  alignas(64) uint16_t t[32] = {};
+  for (int i = 0; i < 16; ++i) {
+    const float f = static_cast<float>(i - 8);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    t[i] = static_cast<uint16_t>(u >> 16);  // exact: at most 4 significant bits
+  }
+  return _mm512_load_si512(t);
+}
+
+// The 32 bytes of k steps 2t and 2t + 1 of 16 columns, interleaved: byte 2 j is column j's code at 2t, byte
+// 2 j + 1 its code at 2t + 1.
+inline __m256i pair_bytes(const uint8_t* step0, const uint8_t* step1) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(step0));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(step1));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, b)), _mm_unpackhi_epi8(a, b), 1);
+}
+
+// A Q4_1 block of run_gguf's layout (Q4_1Block) -> its B tiles of q - 8 and fp32 d, m' = 8 d + m (one rounding)
+// (F32_BLOCK_BYTES at dst).
+struct Q4_1F32Tiles {
+  static constexpr bool HAS_MIN = true;
+  static void prepare(const uint8_t* blk, char* dst, __m512i table) {
+    auto* tiles = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t t = 0; t < GGUF_K / 2; ++t) {
+      const __m512i q = _mm512_cvtepu8_epi16(pair_bytes(blk + 2 * t * 16, blk + (2 * t + 1) * 16));
+      const __m512i lo = _mm512_and_si512(q, _mm512_set1_epi16(0xF)), hi = _mm512_srli_epi16(q, 4);
+      _mm512_store_si512(tiles + t * 32, _mm512_permutexvar_epi16(lo, table));
+      _mm512_store_si512(tiles + 512 + t * 32, _mm512_permutexvar_epi16(hi, table));
+    }
+    auto* scales = reinterpret_cast<float*>(dst + F32_BLOCK_TILE_BYTES);
+    for (int c = 0; c < 2; ++c) {
+      const __m512 d = half_to_float16(blk + 512 + 32 * c);
+      _mm512_store_ps(scales + c * LANES, d);
+      _mm512_store_ps(scales + 2 * LANES + c * LANES,
+                      _mm512_fmadd_ps(_mm512_set1_ps(8.0f), d, half_to_float16(blk + 576 + 32 * c)));
+    }
+  }
+};
+
+// The same for a Q8_0 block (Q8_0Block's layout); no m.
+struct Q8_0F32Tiles {
+  static constexpr bool HAS_MIN = false;
+  static void prepare(const uint8_t* blk, char* dst, __m512i) {
+    auto* tiles = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t t = 0; t < GGUF_K / 2; ++t)
+      for (int c = 0; c < 2; ++c) {
+        const __m256i q = pair_bytes(blk + 2 * t * 32 + c * 16, blk + (2 * t + 1) * 32 + c * 16);
+        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+        _mm512_store_si512(tiles + c * 512 + t * 32, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));  // exact: |q| <= 128
+      }
+    auto* scales = reinterpret_cast<float*>(dst + F32_BLOCK_TILE_BYTES);
+    for (int c = 0; c < 2; ++c) {
+      _mm512_store_ps(scales + c * LANES, half_to_float16(blk + 1024 + 32 * c));
+      _mm512_store_ps(scales + 2 * LANES + c * LANES, _mm512_setzero_ps());
+    }
+  }
+};
+
+// 16 bf16 -> fp32 (exact: the bits in the high halves).
+inline __m512 bf16_to_float(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// rows rows of x (x_stride floats apart) -> xs [rows][K/32][3][32] bf16, the three pieces of each block side by
+// side (x = x1 + x2 + x3, run_gguf_amx_f32), and xsum [rows][K/32], each block's sum of x in fp32 (16 lanes plus
+// 16, then vreduce's order).
+inline void split_rows(const float* x, int64_t x_stride, int64_t rows, int64_t blocks, uint16_t* xs, float* xsum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    uint16_t* dst = xs + r * blocks * F32_PIECES * GGUF_K;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 v[2] = {_mm512_loadu_ps(xr + b * GGUF_K), _mm512_loadu_ps(xr + b * GGUF_K + LANES)};
+      xsum[r * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+      for (int64_t i = 0; i < F32_PIECES; ++i) {
+        const __m512bh p = _mm512_cvtne2ps_pbh(v[1], v[0]);
+        _mm512_storeu_si512(dst + (b * F32_PIECES + i) * GGUF_K, (__m512i)p);
+        const __m512i w = (__m512i)p;
+        v[0] = _mm512_sub_ps(v[0], bf16_to_float(_mm512_castsi512_si256(w)));
+        v[1] = _mm512_sub_ps(v[1], bf16_to_float(_mm512_extracti64x4_epi64(w, 1)));
+      }
+    }
+  }
+}
+
+// One pass of 32 rows (a 32-row block of xs at a, a_stride bytes a row) over a pair's prepared blocks w: its
+// 32 x 32 results, before the bias, into acc [32][32].
+template <typename Tiles>
+inline void f32_pass(const char* a, int64_t a_stride, const float* xsum, int64_t blocks, const char* w, float* acc) {
+  alignas(64) float c[2 * AMX_ROWS * 32];
+  for (int64_t i = 0; i < 2 * AMX_ROWS * 2; ++i) _mm512_store_ps(acc + i * LANES, _mm512_setzero_ps());
+  for (int64_t b = 0; b < blocks; ++b) {
+    const char* blk = w + b * F32_BLOCK_BYTES;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(6, blk, 64);
+    _tile_loadd(7, blk + 1024, 64);
+    for (int64_t i = 0; i < F32_PIECES; ++i) {
+      const char* ap = a + (b * F32_PIECES + i) * GGUF_K * 2;
+      _tile_loadd(4, ap, a_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, ap + AMX_ROWS * a_stride, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + LANES, 128);
+    _tile_stored(2, c + AMX_ROWS * 32, 128);
+    _tile_stored(3, c + AMX_ROWS * 32 + LANES, 128);
+    const float* scales = reinterpret_cast<const float*>(blk + F32_BLOCK_TILE_BYTES);
+    const __m512 d[2] = {_mm512_load_ps(scales), _mm512_load_ps(scales + LANES)};
+    const __m512 mn[2] = {_mm512_load_ps(scales + 2 * LANES), _mm512_load_ps(scales + 3 * LANES)};
+    for (int64_t r = 0; r < 2 * AMX_ROWS; ++r) {
+      const __m512 xs = _mm512_set1_ps(xsum[r * blocks + b]);
+      for (int h = 0; h < 2; ++h) {
+        float* at = acc + r * 32 + h * LANES;
+        __m512 y = _mm512_fmadd_ps(d[h], _mm512_load_ps(c + r * 32 + h * LANES), _mm512_load_ps(at));
+        if constexpr (Tiles::HAS_MIN) y = _mm512_fmadd_ps(mn[h], xs, y);
+        _mm512_store_ps(at, y);
+      }
+    }
+  }
+}
+
+// y = x W^T (+ b) for fp32 x [M, K] (M >= GGUF_F32_AMX_MIN_ROWS) on W's GGUF codes in run_gguf's layout. Each
+// thread takes a contiguous range of pairs and, AMX_CHUNK_BYTES of prepared blocks at a time, runs every 32-row
+// pass over each pair of the chunk (as amx_walk_panels does past AMX_PANEL_MAJOR_ROWS rows). A pass's rows are
+// split into their pieces in a thread-local buffer (96 KB of x makes 108 KB of pieces at K = 576) just before
+// the chunk's pairs read them from L2: split once for the whole x, the pieces (1.5x x's bytes) went to memory
+// and back, and a K = 1,536 matmul of 4,096 rows ran slower than oneDNN's.
+template <typename Block, typename Tiles>
+void run_gguf_amx_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+  const int64_t m = x.size(0), blocks = packed.size(1), pairs = packed.size(0);
+  const int64_t a_stride = blocks * F32_PIECES * GGUF_K * 2, pass_rows = 2 * AMX_ROWS;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = out.data_ptr<float>();
+  const int64_t x_stride = x.stride(0), y_stride = out.stride(0), pair_bytes = blocks * F32_BLOCK_BYTES;
+  const int64_t chunk = std::max<int64_t>(1, AMX_CHUNK_BYTES / pair_bytes);
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = AMX_ROWS;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    thread_local std::vector<char> storage;
+    const int64_t prepared_bytes = std::min(chunk, end - begin) * pair_bytes;
+    storage.resize(prepared_bytes + pass_rows * (a_stride + blocks * 4) + 64);
+    char* prepared = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    auto* pieces = reinterpret_cast<uint16_t*>(prepared + prepared_bytes);
+    auto* xsum = reinterpret_cast<float*>(prepared + prepared_bytes + pass_rows * a_stride);
+    const __m512i table = bf16_of_centred_codes();
+    alignas(64) float acc[2 * AMX_ROWS * 32];
+    for (int64_t p0 = begin; p0 < end; p0 += chunk) {
+      const int64_t p1 = std::min(end, p0 + chunk);
+      for (int64_t pair = p0; pair < p1; ++pair)
+        for (int64_t b = 0; b < blocks; ++b)
+          Tiles::prepare(wp + (pair * blocks + b) * Block::BYTES,
+                         prepared + (pair - p0) * pair_bytes + b * F32_BLOCK_BYTES, table);
+      for (int64_t r0 = 0; r0 < m; r0 += pass_rows) {
+        const int64_t rows = std::min(pass_rows, m - r0);
+        split_rows(xp + r0 * x_stride, x_stride, rows, blocks, pieces, xsum);
+        if (rows < pass_rows) {  // the missing rows are zeros
+          std::memset(reinterpret_cast<char*>(pieces) + rows * a_stride, 0, (pass_rows - rows) * a_stride);
+          std::memset(xsum + rows * blocks, 0, (pass_rows - rows) * blocks * sizeof(float));
+        }
+        for (int64_t pair = p0; pair < p1; ++pair) {
+          f32_pass<Tiles>(reinterpret_cast<const char*>(pieces), a_stride, xsum, blocks,
+                          prepared + (pair - p0) * pair_bytes, acc);
+          for (int cb = 0; cb < 2; ++cb) {
+            const int64_t col = (2 * pair + cb) * LANES;
+            const int64_t live = std::min<int64_t>(LANES, n - col);
+            if (live <= 0) break;
+            const __mmask16 mask = first_lanes(live);
+            const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+            for (int64_t r = 0; r < rows; ++r)
+              _mm512_mask_storeu_ps(yp + (r0 + r) * y_stride + col, mask,
+                                    _mm512_add_ps(_mm512_load_ps(acc + r * 32 + cb * LANES), bv));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 #if defined(STREAMKV_AVX2_LINEAR)
 // column_pair's contract on AVX2 for fp32: rows [m0, m0 + R) of x against the columns of pair `pair` a tile
 // covers, over the steps [s0, s1) of k. A call past the first block of k picks its sums up from y, where the
@@ -1395,6 +1613,15 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
 #if defined(__AVX512F__)
     const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
     if (!bf16) {
+#if defined(STREAMKV_AMX)
+      if (x.size(0) >= GGUF_F32_AMX_MIN_ROWS && amx_on()) {
+        if (q4_1)
+          run_gguf_amx_f32<Q4_1Block, Q4_1F32Tiles>(out, x, packed, bp, n);
+        else
+          run_gguf_amx_f32<Q8_0Block, Q8_0F32Tiles>(out, x, packed, bp, n);
+        return;
+      }
+#endif
       if (q4_1)
         run_gguf<Q4_1Block>(out, x, packed, bp, n);
       else
