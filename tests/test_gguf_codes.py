@@ -125,34 +125,103 @@ def exact_product(x: torch.Tensor, c: GGUFCodes, magnitudes: bool = False) -> to
     return (x.double().abs() if magnitudes else x.double()) @ w.T
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (50, 64), (33, 32)])
-@pytest.mark.parametrize("rows", [129, 160, 300])
-def test_fp32_on_amx_tiles_is_as_accurate_as_the_fma_path(kind: str, n: int, k: int, rows: int) -> None:
-    """Past SMALL_LINEAR_MAX_ROWS rows fp32 runs on AMX tiles from exact bf16 pieces of x. Its error against the
-    float64 product of x and the exact weights, over the size of the terms it sums, stays at fp32's level (a
-    product of two pieces would be off by up to 2^-17, of bf16 x by 2^-9), and a row's result does not depend on
-    the rows beside it or its place among them."""
-    c = random_codes(kind, n, k, seed=rows)
-    x = torch.randn(rows, k) * torch.logspace(-3, 3, rows)[:, None]  # rows of every scale
-    x[0, :7] = torch.tensor([0.0, -0.0, 1e-30, 3e-39, 1.0 + 2**-23, -(1.0 + 2**-22), 1e30])  # one huge value
-    bias = torch.randn(n)
-    packed = c.pack(ops)
-    fma, tiles = torch.empty(rows, n), torch.empty(rows, n)
+def relative_error(got: torch.Tensor, x: torch.Tensor, c: GGUFCodes) -> float:
+    """Largest ``|got - x w^T|`` over the size of the terms run_gguf_amx_f32 sums (:func:`exact_product`); an
+    output of no terms counts its whole error."""
+    error, size = (got.double() - exact_product(x, c)).abs(), exact_product(x, c, magnitudes=True)
+    return torch.where(size > 0, error / size, error).max().item()
+
+
+def fp32_both_ways(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> tuple:
+    """``(FMA path, AMX path)`` results of the same call (skips without AMX)."""
+    fma, tiles = torch.empty(x.shape[0], n), torch.empty(x.shape[0], n)
     with amx(False):
         ops.small_linear(fma, x, packed, bias)
     with amx(True):
         ops.small_linear(tiles, x, packed, bias)
-        exact = exact_product(x, c) + bias.double()
-        size = exact_product(x, c, magnitudes=True) + bias.double().abs()
-        error = ((tiles.double() - exact).abs() / size).max().item()
-        fma_error = ((fma.double() - exact).abs() / size).max().item()
-        assert error <= max(2 * fma_error, 2.0**-22), (error, fma_error)
+    return fma, tiles
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (50, 64), (33, 32)])
+@pytest.mark.parametrize("rows", [129, 160, 300])
+def test_fp32_on_amx_tiles_errs_at_fp32_level_over_its_terms(kind: str, n: int, k: int, rows: int) -> None:
+    """Past SMALL_LINEAR_MAX_ROWS rows fp32 runs on AMX tiles from exact bf16 pieces of x. Its error against the
+    float64 product of x and the exact weights stays at fp32's level, measured against the terms it sums (Q4_1's
+    weight as d (q - 8) + m', which exceeds |w| where a weight is a near cancellation; there the FMA path's
+    error is smaller); a row's result does not depend on the rows beside it or its place among them."""
+    c = random_codes(kind, n, k, seed=rows)
+    x = torch.randn(rows, k) * torch.logspace(-3, 3, rows)[:, None]  # rows of every scale
+    x[0, :6] = torch.tensor([0.0, -0.0, 1e-30, 3e-39, 2.0**100, -(2.0**100)])  # the range's ends, in the tiles
+    packed = c.pack(ops)
+    fma, tiles = fp32_both_ways(x, packed, n)
+    assert not torch.equal(tiles, fma)  # the tiles ran
+    error, fma_error = relative_error(tiles, x, c), relative_error(fma, x, c)
+    assert error <= max(2 * fma_error, 2.0**-22), (error, fma_error)
+    bias = torch.randn(n)
+    with amx(True):
         perm = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
         more = torch.cat([x[perm], torch.randn(37, k)])
         shuffled = torch.empty(rows + 37, n)
         ops.small_linear(shuffled, more, packed, bias)
-        assert torch.equal(shuffled[:rows], tiles[perm])
+    assert torch.equal(shuffled[:rows], (tiles + bias)[perm])  # the bias added once, in fp32
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp32_on_amx_tiles_uses_all_three_pieces(kind: str) -> None:
+    """One value a row (random 24-bit significands): each output is that value times one weight. Within a few
+    ulp of the exact product, where dropping the third piece errs by up to 2^-17 and the second by 2^-9."""
+    c = random_codes(kind, 96, 576, seed=3)
+    x = torch.zeros(576, 576)
+    x.diagonal().copy_(torch.randn(576) * 10)
+    fma, tiles = fp32_both_ways(x, c.pack(ops), 96)
+    assert relative_error(tiles, x, c) <= 2.0**-21
+    assert relative_error(fma, x, c) <= 2.0**-21
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp32_passes_with_inf_nan_or_huge_values_take_the_fma_path(kind: str) -> None:
+    """A 32-row pass with |x| past 2^100, an inf or a NaN runs run_gguf's FMA chain, bitwise (the pieces would
+    round to inf or NaN and a block's sum overflow); the other passes stay on the tiles."""
+    c = random_codes(kind, 64, 96, seed=5)
+    x = torch.randn(160, 96)
+    for r, v in zip((3, 40, 70, 100), (float("inf"), float("nan"), 3e38, -(2.0**101)), strict=True):
+        x[r, 5] = v
+    fma, tiles = fp32_both_ways(x, c.pack(ops), 64)
+    assert torch.equal(tiles[:128].view(torch.int32), fma[:128].view(torch.int32))  # NaNs too, bit for bit
+    assert tiles[:128].isnan().any() and tiles[:128].isinf().any()
+    assert not torch.equal(tiles[128:], fma[128:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp32_amx_special_scales_strides_and_one_thread_over_many_chunks(kind: str) -> None:
+    """d = 0, negative d, fp16 subnormal and largest d and m; on one thread a 4,096-column weight walks several
+    1 MiB chunks of prepared blocks; strided x and out, no bias, 161 rows (a last pass of one row)."""
+    c = random_codes(kind, 4096, 576, seed=9)
+    special = torch.tensor([0.0, -0.003, 6e-8, 65504.0, -65504.0, -0.0]).half()
+    c.d.view(-1)[: 6 * 18 : 18] = special
+    if isinstance(c, Q4_1Codes):
+        c.m.view(-1)[1 : 6 * 18 : 18] = special
+    x = torch.randn(161, 1152)[:, :576]
+    out = torch.full((161, 4200), 7.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with amx(True):
+            ops.small_linear(out[:, :4096], x, c.pack(ops), None)
+    finally:
+        torch.set_num_threads(threads)
+    assert (out[:, 4096:] == 7.0).all()
+    assert relative_error(out[:, :4096], x, c) <= 2.0**-22
+
+
+def test_the_fp32_row_threshold_is_the_layers() -> None:
+    """SMALL_LINEAR_MAX_ROWS[float32] rows stay on the bitwise FMA path with AMX on; one more takes the tiles."""
+    c = random_codes("q4_1", 64, 96, seed=11)
+    top = SMALL_LINEAR_MAX_ROWS[torch.float32]
+    for rows, same in ((top, True), (top + 1, False)):
+        fma, tiles = fp32_both_ways(torch.randn(rows, 96), c.pack(ops), 64)
+        assert torch.equal(tiles, fma) == same, rows
 
 
 needs_bf16 = pytest.mark.skipif(not has_gguf_kernel(ops, torch.bfloat16), reason="needs an AVX512-BF16 build")
@@ -293,7 +362,7 @@ def test_a_bf16_layer_runs_its_small_batches_on_the_codes(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_layer_runs_small_batches_on_the_codes_and_large_ones_on_onednn(kind: str) -> None:
+def test_the_layer_runs_small_batches_on_the_codes_and_large_ones_on_onednn_or_amx(kind: str) -> None:
     c = random_codes(kind, 96, 192)
     w = c.dequantize()
     layer = Linear(192, 96, bias=False)

@@ -42,7 +42,10 @@ Past :data:`SMALL_LINEAR_MAX_ROWS` rows (prefill) a float32 model on the
 codes runs on AMX tiles too, where the CPU has them: x is split into three
 bf16 pieces whose sum is x exactly, each product with a code is exact, and
 the tiles sum in fp32 (:data:`GGUF_F32_AMX_MAX_ROWS`). Its error against the
-exact product is at fp32's level (tests/test_gguf_codes.py), its last bits
+exact product is at fp32's level, counted against the terms it sums (Q4_1's
+``d (q - 8) + m'``, which can cancel where a weight is near zero;
+tests/test_gguf_codes.py); rows of 32 with an inf, a NaN or a value past
+2^100 take the FMA path; its last bits
 differ from the decode rows', as oneDNN's did, and a 4,096-row matmul runs
 about 2.3x as fast as oneDNN's fp32 one, which the FMA units bound
 (docs/benchmarks.md, "Round 32").
@@ -75,8 +78,8 @@ if TYPE_CHECKING:
 # / 128 rows in fp32 and 1.52x / 1.43x / 1.25x / 1.15x in bf16, on par (1.01x, 1.00x) at 256. Up to 128 rows
 # covers every pure-decode batch of the default max_num_seqs (64) on one kernel, so a decode row's result does not
 # depend on how many rows decode with it (a step that also carries a prefill chunk of more rows runs on oneDNN,
-# whose sums run in another order, or on the AMX kernel's narrow weights up to 1,024 rows: there the last bits
-# of gate_up can differ).
+# whose sums run in another order, on the AMX kernel's narrow weights up to 1,024 rows, or for an fp32 model on
+# the codes on AMX tiles from bf16 pieces: there the last bits can differ).
 # On an Ice Lake Xeon (AVX-512 without AVX512-BF16; round 20) the fp32 kernel ran 1.22-1.39x / 1.31-1.49x /
 # 1.48-1.53x / 1.27-1.31x / 1.15-1.16x oneDNN at 1 / 8 / 16 / 32 / 64 rows, 0.97-1.09x at 128 and 0.95-1.03x at 256
 # (two runs): the same crossover.
@@ -167,8 +170,8 @@ class SmallMatmul:
             but see ``amx_rows``).
         scale: float32 ``[N]`` for int8 weights, else ``None``.
         bias: float32 ``[N]`` (the kernels add it in fp32) or ``None``.
-        amx_rows: most rows sent to the kernel while its bf16 matmuls run on AMX tiles
-            (``AMX_NARROW_MAX_ROWS`` for narrow bf16 weights, else ``max_rows``).
+        amx_rows: most rows sent to the kernel while its AMX tiles are on (``AMX_NARROW_MAX_ROWS`` for narrow
+            bf16 weights, ``GGUF_F32_AMX_MAX_ROWS`` for float32 GGUF codes, else ``max_rows``).
     """
 
     ops: ModuleType
@@ -191,7 +194,8 @@ class SmallMatmul:
         """Pack ``weight [N, K]`` (float32/bfloat16), or its int8 codes and scales ``int8 = (q, scale)``, or the
         GGUF ``codes`` that give ``weight`` bitwise (float32: their dequantization; bfloat16: its rounding). The
         codes are taken where ``ops`` has the GGUF kernel for ``weight``'s dtype (``has_gguf_kernel``); elsewhere
-        ``weight`` itself is packed. Either way the same rows take the kernel, with the same results."""
+        ``weight`` itself is packed. Either way the same rows up to ``max_rows`` take the kernel, with the same
+        results; float32 codes also take larger batches while AMX is on (``GGUF_F32_AMX_MAX_ROWS``), on tiles."""
         b = None if bias is None else bias.detach().float().contiguous()
         if int8 is not None:
             q, scale = int8

@@ -324,11 +324,14 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) 
     if rows == sys.maxsize:
         logger.info("every matmul on the small-batch linear kernel (no oneDNN copy): %.0f MiB of weights", mib)
         return
-    amx = dtype == torch.bfloat16 and bool(kernels[0].ops.amx())
+    on_amx = bool(kernels[0].ops.amx())
+    amx = dtype == torch.bfloat16 and on_amx
     narrow = [s for s in kernels if s.amx_rows > s.max_rows] if amx else []
     where = ", on AMX tiles" if amx else ""
     if narrow:
         where += f" ({len(narrow)} narrow weights up to {max(s.amx_rows for s in narrow)} rows)"
+    if dtype == torch.float32 and on_amx and any(s.amx_rows == sys.maxsize for s in kernels):
+        where += "; larger fp32 matmuls of the GGUF codes on AMX tiles from exact bf16 pieces of x"
     logger.info(
         "small-batch linear kernel for matmuls of <= %d rows (decode steps)%s: %.0f MiB of weights packed for it",
         rows,

@@ -138,7 +138,8 @@ def _with_amx_setting(module: ModuleType | None) -> ModuleType | None:
 
 
 def set_amx(on: bool) -> bool:
-    """Switch the bf16 AMX kernels (``small_linear``'s matmuls, ``paged_prefill``'s attention) on or off.
+    """Switch the AMX kernels (``small_linear``'s bf16 and int8 matmuls and fp32 prefill matmuls on GGUF codes,
+    ``paged_prefill``'s bf16 attention) on or off.
 
     Each extension holds its own copy of the switch (``amx.h``): the attention ops, the linear ops and
     the decode-layer op. Setting one alone would run a decode row's matmuls on one kernel in pure-decode

@@ -1,5 +1,6 @@
 // Intel AMX (Advanced Matrix Extensions: 8 tile registers of up to 16 rows x 64 bytes, tdpbf16ps) for the
-// kernels that use it: small_linear.cpp's bf16 matmuls and paged_prefill.cpp's bf16 attention.
+// kernels that use it: small_linear.cpp's bf16 and int8 matmuls and fp32 prefill matmuls on GGUF codes, and
+// paged_prefill.cpp's bf16 attention.
 //
 // STREAMKV_AMX is defined on a -march=native build for a CPU with AMX-BF16 (Sapphire Rapids and later). Even
 // there a process may use the tiles only after asking Linux for their state (arch_prctl(ARCH_REQ_XCOMP_PERM,
@@ -46,7 +47,8 @@ inline bool amx_permitted() {
 
 inline std::atomic<int> amx_mode{-1};  // -1: not decided yet; 0: off; 1: on
 
-// Whether this extension's bf16 kernels run on AMX tiles: built for them, permitted, not switched off.
+// Whether this extension's AMX kernels run (bf16; int8 and fp32 from bf16 pieces in small_linear.cpp): built for
+// them, permitted, not switched off.
 inline bool amx_on() {
   int mode = amx_mode.load(std::memory_order_relaxed);
   if (mode < 0) {

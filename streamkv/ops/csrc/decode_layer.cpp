@@ -83,6 +83,7 @@ at::Tensor decode_layer(const at::Tensor& h, at::Tensor residual, bool first, co
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layer", &decode_layer, "one decoder layer of a pure-decode step, the model's ops in one call (CPU)");
   // this extension holds its own AMX switch (amx.h): streamkv.ops.cpu_ops.set_amx sets it with the others'
-  m.def("amx", &streamkv::amx_on, "whether this extension's bf16 kernels run on AMX tiles in this process");
+  m.def("amx", &streamkv::amx_on,
+        "whether this extension's AMX kernels (bf16, int8, fp32 prefill) run in this process");
   m.def("set_amx", &streamkv::set_amx, "switch this extension's AMX kernels; returns the state before", py::arg("on"));
 }

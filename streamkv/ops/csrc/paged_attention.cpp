@@ -1492,7 +1492,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention reading K/V in place (CPU)");
   m.def("write_kv", &write_kv, "write a step's K / V rows into their slots (CPU; unquantized or int8 cache)");
   m.def("paged_prefill", &paged_prefill, "paged causal attention of prefill / chunk rows, K/V read in place (CPU)");
-  m.def("amx", &streamkv::amx_on, "whether this extension's bf16 kernels run on AMX tiles in this process");
+  m.def("amx", &streamkv::amx_on,
+        "whether this extension's AMX kernels (bf16, int8, fp32 prefill) run in this process");
   m.def("set_amx", &streamkv::set_amx, "switch this extension's AMX kernels; returns the state before", py::arg("on"));
 }
 #endif

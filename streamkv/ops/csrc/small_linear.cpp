@@ -20,7 +20,7 @@
 // stream. Rows of x go up to 12 at a time (24 zmm accumulators: 12 rows x the pair's two blocks), each
 // row count its own instantiation; past 12 rows the pair's weights are walked again, from L2, while the
 // next pair's are prefetched (run()). A row's result is the same whatever the batch it is in: every
-// output is one fp32 sum over k ascending, whichever pass computes it.
+// output is one fp32 sum over k ascending, whichever pass computes it (but see run_gguf_amx_f32 below).
 //
 // int8 weights (--quantization int8, one float32 scale per output column; AVX-512 VNNI):
 //
@@ -50,7 +50,9 @@
 // keep their codes and fp16 scales per block of 32 k: Q4_1's 4-bit codes with d and m (640 bytes a block; the
 // projections), Q8_0's int8 codes with d (1,088 bytes; the tied embedding, our LM head). w = d * q + m, or d * q,
 // is exact to the bit of gguf-py's fp32 dequantization, and the sums are the fp32 kernel's, so the results are the
-// fp32 kernel's on the dequantized weight, bitwise, from a fifth (Q4_1) or 0.27 (Q8_0) of the bytes.
+// fp32 kernel's on the dequantized weight, bitwise, from a fifth (Q4_1) or 0.27 (Q8_0) of the bytes. The
+// exception: on AMX, batches of GGUF_F32_AMX_MIN_ROWS rows and more (prefill) run run_gguf_amx_f32, fp32 sums of
+// exact products in another order, whose last bits differ (as oneDNN's fp32 matmul's did on those rows).
 //
 // bf16 x on GGUF codes (AVX512-BF16; run_gguf_bf16): a bf16 model holds those weights rounded once to bf16, and
 // the kernel rounds its exact dequantization the same way into the bf16 kernels' panel (AMX tiles or vdpbf16ps),
@@ -715,12 +717,15 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 // after block, then the bias: the fp32 dot product of x with the exact weights, summed in another order than
 // run_gguf's FMA chain on fl(d q + m), so its last bits differ from the decode rows', as oneDNN's fp32 matmul's
 // did when it took these rows. Where d S and m' sum x nearly cancel (one huge x against a weight near zero) the
-// two roundings count relative to the larger terms.
+// two roundings count relative to the larger terms. A pass of 32 rows with a value past F32_AMX_MAX_ABS, an inf
+// or a NaN runs run_gguf's FMA chain instead (bitwise its results): x1 would round up to inf near FLT_MAX, x - x1
+// is NaN for an inf, and S (up to 32 x 128 |x|) would overflow long before x w does.
 //   tiles 0-3: C, [16 rows, 16 columns] of (row block 0 / 1) x (column block 0 / 1), one block's S
 //   tiles 4, 5: A, 16 rows x 32 bf16 of one piece of one block, row blocks 0 and 1
 //   tiles 6, 7: B, the block's codes as bf16 (k, k + 1) pairs x 16 columns, column blocks 0 and 1
 constexpr int64_t GGUF_F32_AMX_MIN_ROWS = 129;  // = SMALL_LINEAR_MAX_ROWS[float32] + 1 (streamkv/model/linear.py)
 constexpr int64_t F32_PIECES = 3;
+constexpr float F32_AMX_MAX_ABS = 0x1p100f;  // |S| <= 4,096 x 2^100, far below FLT_MAX
 
 // A pair's prepared block: its codes as two B tiles (2 KB), then d and m' (zeros for Q8_0) as fp32 (256 bytes).
 constexpr int64_t F32_BLOCK_TILE_BYTES = 2048;
@@ -795,13 +800,17 @@ inline __m512 bf16_to_float(__m256i h) {
 
 // rows rows of x (x_stride floats apart) -> xs [rows][K/32][3][32] bf16, the three pieces of each block side by
 // side (x = x1 + x2 + x3, run_gguf_amx_f32), and xsum [rows][K/32], each block's sum of x in fp32 (16 lanes plus
-// 16, then vreduce's order).
-inline void split_rows(const float* x, int64_t x_stride, int64_t rows, int64_t blocks, uint16_t* xs, float* xsum) {
+// 16, then vreduce's order). Returns false when a value is past F32_AMX_MAX_ABS in magnitude, inf or NaN.
+inline bool split_rows(const float* x, int64_t x_stride, int64_t rows, int64_t blocks, uint16_t* xs, float* xsum) {
+  const __m512 limit = _mm512_set1_ps(F32_AMX_MAX_ABS);
+  __mmask16 out_of_range = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * x_stride;
     uint16_t* dst = xs + r * blocks * F32_PIECES * GGUF_K;
     for (int64_t b = 0; b < blocks; ++b) {
       __m512 v[2] = {_mm512_loadu_ps(xr + b * GGUF_K), _mm512_loadu_ps(xr + b * GGUF_K + LANES)};
+      for (const __m512& h : v)  // not (|x| <= limit): past it, or NaN
+        out_of_range |= _mm512_cmp_ps_mask(_mm512_abs_ps(h), limit, _CMP_NLE_UQ);
       xsum[r * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
       for (int64_t i = 0; i < F32_PIECES; ++i) {
         const __m512bh p = _mm512_cvtne2ps_pbh(v[1], v[0]);
@@ -812,6 +821,7 @@ inline void split_rows(const float* x, int64_t x_stride, int64_t rows, int64_t b
       }
     }
   }
+  return out_of_range == 0;
 }
 
 // One pass of 32 rows (a 32-row block of xs at a, a_stride bytes a row) over a pair's prepared blocks w: its
@@ -859,9 +869,9 @@ inline void f32_pass(const char* a, int64_t a_stride, const float* xsum, int64_t
 // y = x W^T (+ b) for fp32 x [M, K] (M >= GGUF_F32_AMX_MIN_ROWS) on W's GGUF codes in run_gguf's layout. Each
 // thread takes a contiguous range of pairs and, AMX_CHUNK_BYTES of prepared blocks at a time, runs every 32-row
 // pass over each pair of the chunk (as amx_walk_panels does past AMX_PANEL_MAJOR_ROWS rows). A pass's rows are
-// split into their pieces in a thread-local buffer (96 KB of x makes 108 KB of pieces at K = 576) just before
+// split into their pieces in a thread-local buffer (72 KB of x makes 108 KB of pieces at K = 576) just before
 // the chunk's pairs read them from L2: split once for the whole x, the pieces (1.5x x's bytes) went to memory
-// and back, and a K = 1,536 matmul of 4,096 rows ran slower than oneDNN's.
+// and back, and a K = 1,536 matmul of 4,096 rows ran slower than oneDNN's. K = 0 takes run_gguf.
 template <typename Block, typename Tiles>
 void run_gguf_amx_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   const int64_t m = x.size(0), blocks = packed.size(1), pairs = packed.size(0);
@@ -869,8 +879,8 @@ void run_gguf_amx_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
-  const int64_t x_stride = x.stride(0), y_stride = out.stride(0), pair_bytes = blocks * F32_BLOCK_BYTES;
-  const int64_t chunk = std::max<int64_t>(1, AMX_CHUNK_BYTES / pair_bytes);
+  const int64_t x_stride = x.stride(0), y_stride = out.stride(0), pair_prep = blocks * F32_BLOCK_BYTES;
+  const int64_t chunk = std::max<int64_t>(1, AMX_CHUNK_BYTES / pair_prep);
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
@@ -878,10 +888,8 @@ void run_gguf_amx_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
       cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-    thread_local std::vector<char> storage;
-    const int64_t prepared_bytes = std::min(chunk, end - begin) * pair_bytes;
-    storage.resize(prepared_bytes + pass_rows * (a_stride + blocks * 4) + 64);
-    char* prepared = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    const int64_t prepared_bytes = std::min(chunk, end - begin) * pair_prep;
+    char* prepared = thread_scratch<char>(prepared_bytes + pass_rows * (a_stride + blocks * 4));
     auto* pieces = reinterpret_cast<uint16_t*>(prepared + prepared_bytes);
     auto* xsum = reinterpret_cast<float*>(prepared + prepared_bytes + pass_rows * a_stride);
     const __m512i table = bf16_of_centred_codes();
@@ -891,17 +899,26 @@ void run_gguf_amx_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
       for (int64_t pair = p0; pair < p1; ++pair)
         for (int64_t b = 0; b < blocks; ++b)
           Tiles::prepare(wp + (pair * blocks + b) * Block::BYTES,
-                         prepared + (pair - p0) * pair_bytes + b * F32_BLOCK_BYTES, table);
+                         prepared + (pair - p0) * pair_prep + b * F32_BLOCK_BYTES, table);
       for (int64_t r0 = 0; r0 < m; r0 += pass_rows) {
         const int64_t rows = std::min(pass_rows, m - r0);
-        split_rows(xp + r0 * x_stride, x_stride, rows, blocks, pieces, xsum);
+        if (!split_rows(xp + r0 * x_stride, x_stride, rows, blocks, pieces, xsum)) {
+          for (int64_t pair = p0; pair < p1; ++pair) {
+            const int64_t col = pair * 2 * LANES;
+            for (int64_t m0 = r0; m0 < r0 + rows; m0 += FLOAT_ROWS)
+              column_pair_gguf_rows<Block>(std::min<int64_t>(FLOAT_ROWS, r0 + rows - m0), xp, x_stride, yp + col,
+                                           y_stride, wp + pair * blocks * Block::BYTES,
+                                           bias ? bias + col : nullptr, m0, n - col, blocks);
+          }
+          continue;
+        }
         if (rows < pass_rows) {  // the missing rows are zeros
           std::memset(reinterpret_cast<char*>(pieces) + rows * a_stride, 0, (pass_rows - rows) * a_stride);
           std::memset(xsum + rows * blocks, 0, (pass_rows - rows) * blocks * sizeof(float));
         }
         for (int64_t pair = p0; pair < p1; ++pair) {
           f32_pass<Tiles>(reinterpret_cast<const char*>(pieces), a_stride, xsum, blocks,
-                          prepared + (pair - p0) * pair_bytes, acc);
+                          prepared + (pair - p0) * pair_prep, acc);
           for (int cb = 0; cb < 2; ++cb) {
             const int64_t col = (2 * pair + cb) * LANES;
             const int64_t live = std::min<int64_t>(LANES, n - col);
@@ -1614,7 +1631,7 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
     const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
     if (!bf16) {
 #if defined(STREAMKV_AMX)
-      if (x.size(0) >= GGUF_F32_AMX_MIN_ROWS && amx_on()) {
+      if (x.size(0) >= GGUF_F32_AMX_MIN_ROWS && x.size(1) > 0 && amx_on()) {
         if (q4_1)
           run_gguf_amx_f32<Q4_1Block, Q4_1F32Tiles>(out, x, packed, bp, n);
         else
@@ -1734,7 +1751,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_supported", &small_linear_supported, "whether this build has the fp32 kernel");
   m.def("small_linear_isa", &small_linear_isa, "the fp32 kernel's instruction set: avx512, avx2 or empty (none)");
   m.def("small_linear_bf16_supported", &small_linear_bf16_supported, "whether this build has the bf16 kernel");
-  m.def("amx", &streamkv::amx_on, "whether this extension's bf16 kernels run on AMX tiles in this process");
+  m.def("amx", &streamkv::amx_on,
+        "whether this extension's AMX kernels (bf16, int8, fp32 prefill) run in this process");
   m.def("set_amx", &streamkv::set_amx, "switch this extension's AMX kernels; returns the state before", py::arg("on"));
   m.def("pack_small_linear", &pack_small_linear, "pack a [N, K] weight for small_linear");
   m.def("small_linear", &small_linear, "out = x @ W^T (+ bias) for few rows, W packed (CPU, fp32/bf16, or GGUF codes)",
