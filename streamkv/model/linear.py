@@ -44,11 +44,10 @@ bf16 pieces whose sum is x exactly, each product with a code is exact, and
 the tiles sum in fp32 (:data:`GGUF_F32_AMX_MAX_ROWS`). Its error against the
 exact product is at fp32's level, counted against the terms it sums (Q4_1's
 ``d (q - 8) + m'``, which can cancel where a weight is near zero;
-tests/test_gguf_codes.py); rows of 32 with an inf, a NaN or a value past
-2^100 take the FMA path; its last bits
-differ from the decode rows', as oneDNN's did, and a 4,096-row matmul runs
-about 2.3x as fast as oneDNN's fp32 one, which the FMA units bound
-(docs/benchmarks.md, "Round 32").
+tests/test_gguf_codes.py). A pass of 32 rows with an inf, a NaN or a value
+past 2^100 takes the FMA path. The last bits differ from the decode rows',
+as oneDNN's did, and a 4,096-row matmul runs about 2.3x as fast as oneDNN's
+fp32 one, which the FMA units bound (docs/benchmarks.md, "Round 32").
 
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
 ``int8``) keeps only int8 codes and a float32 scale per output, run by the
@@ -99,14 +98,15 @@ SMALL_LINEAR_MAX_ROWS_AVX2 = sys.maxsize
 # at 896-1,024 (docs/benchmarks.md, "Round 16"). Past 1,024 rows, and for gate_up past 128, oneDNN is ahead.
 # Only while the AMX switch is on: the vdpbf16ps kernel is 4x slower at these sizes.
 AMX_NARROW_MAX_COLUMNS = 1024
+AMX_NARROW_MAX_ROWS = 1024
+AMX_TILE_K = 32  # run_amx takes K in whole tile steps of 32; other weights run the vdpbf16ps kernel
+
 # A float32 model on the GGUF's codes: past SMALL_LINEAR_MAX_ROWS rows (prefill chunks), while AMX is on, the
 # kernel runs fp32 on AMX tiles from exact bf16 pieces of x (small_linear.cpp, run_gguf_amx_f32; x = x1 + x2 + x3,
 # each product exact, fp32 sums) instead of oneDNN's fp32 matmul, which the FMA units bound. SmolLM2's four
 # projections at 4,096 rows: 37.7 ms a layer against oneDNN's 85.5, at 512 rows 5.3 against 9.8 (2 threads;
 # docs/benchmarks.md, "Round 32"). With AMX off these rows take oneDNN as before.
 GGUF_F32_AMX_MAX_ROWS = sys.maxsize
-AMX_NARROW_MAX_ROWS = 1024
-AMX_TILE_K = 32  # run_amx takes K in whole tile steps of 32; other weights run the vdpbf16ps kernel
 
 # int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows, and one
 # kernel for every row count keeps a row's result independent of the batch it is in. On AMX-INT8 its tile path
