@@ -49,8 +49,7 @@ inline float round_to(float x) { return to_f(from_f<T>(x)); }
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return bf16_widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(at::BFloat16* p, __m512 v) {
@@ -58,7 +57,7 @@ inline void store16(at::BFloat16* p, __m512 v) {
 }
 inline __m512 round16(__m512 v, float*) { return v; }
 inline __m512 round16(__m512 v, at::BFloat16*) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round16(v)), 16));
+  return bf16_widen16(bf16_round16(v));
 }
 
 #endif

@@ -12,6 +12,8 @@
 #include <immintrin.h>
 #endif
 
+#include "simd_math.h"
+
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -62,8 +64,7 @@ inline float row_scale(const kv_t* row, int64_t head_dim) {
 // 16 lanes of a K/V row as fp32 (codes, before the scale).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return bf16_widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));

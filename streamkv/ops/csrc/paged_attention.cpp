@@ -772,7 +772,7 @@ inline float softmax_bf16_pairs(const float* s, int64_t len, int32_t* pairs) {
     const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + p), m)));
     const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
     _mm256_storeu_si256(wb + p / 16, eb);
-    sum16 = _mm512_add_ps(sum16, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+    sum16 = _mm512_add_ps(sum16, bf16_widen16(eb));
   }
   return 1.f / _mm512_reduce_add_ps(sum16);
 }

@@ -272,7 +272,7 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
               // p as bf16, kept in the first half of p[i]; the sum counts the rounded weights.
               const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
               _mm256_store_si256(reinterpret_cast<__m256i*>(p[i]) + kc, pb);
-              e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
+              e = bf16_widen16(pb);
 #endif
             } else {
               _mm512_store_ps(p[i] + 16 * kc, e);

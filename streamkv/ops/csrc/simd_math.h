@@ -1,4 +1,5 @@
-// SIMD math shared by streamkv's C++ CPU ops (paged_attention.cpp, fused_layers.cpp).
+// SIMD math shared by streamkv's C++ CPU ops (paged_attention.cpp, paged_prefill.cpp, fused_layers.cpp,
+// small_linear.cpp).
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -129,5 +130,8 @@ inline __m256i bf16_round16(__m512 v) {
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
+
+// 16 bf16 -> 16 fp32, exactly (each value's bits in the high half of its lane).
+inline __m512 bf16_widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 #endif

@@ -440,16 +440,37 @@ bool amx_takes(int64_t k) { return k % AMX_K == 0; }
 // for each of `passes` row passes of each pair, w the pair's panel, in the order AMX_PANEL_MAJOR_ROWS picks for m
 // rows; a row's result is the same in either order. panels(p0, p1) gives pair p0's panel with those of pairs
 // p0 + 1 .. p1 - 1 after it (panel_bytes apart), read until its next call on the same thread.
+// Loads this thread's tile configuration: tiles 0-5 (C and A) of ac_rows rows, 6-7 (B) of 16; 64 bytes a row.
+inline void load_tile_config(int64_t ac_rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t < 6 ? ac_rows : AMX_ROWS;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// A pass's results c [rows][32] fp32 for pair `pair` plus the bias, into rows r0.. of y (T: float or bf16), its
+// columns past n (the zero block padding N to a multiple of 32) left out.
+template <typename T>
+inline void store_pass(const float* c, int64_t rows, int64_t pair, int64_t n, const float* bias, T* y,
+                       int64_t y_stride, int64_t r0) {
+  for (int cb = 0; cb < 2; ++cb) {
+    const int64_t col = (2 * pair + cb) * LANES;
+    const int64_t live = std::min<int64_t>(LANES, n - col);
+    if (live <= 0) break;
+    const __mmask16 mask = first_lanes(live);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r)
+      store_row(y + (r0 + r) * y_stride + col, mask, _mm512_add_ps(_mm512_load_ps(c + r * 32 + cb * LANES), bv));
+  }
+}
+
 template <typename Panels, typename TilePass>
 void amx_walk_panels(int64_t m, int64_t tile_rows, int64_t pairs, int64_t passes, int64_t panel_bytes,
                      const Panels& panels, const TilePass& tile_pass) {
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = t < 6 ? tile_rows : AMX_ROWS;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    load_tile_config(tile_rows);
     if (m <= AMX_PANEL_MAJOR_ROWS) {
       for (int64_t pair = begin; pair < end; ++pair) {
         const char* w = panels(pair, pair + 1);
@@ -501,16 +522,7 @@ void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const f
       pass_fn.template run<true>(xp + r0 * x_stride, x_stride, w, c);
     else
       pass_fn.template run<false>(xp + r0 * x_stride, x_stride, w, c);
-    const int64_t rows = std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0);
-    for (int cb = 0; cb < 2; ++cb) {
-      const int64_t col = (2 * pair + cb) * LANES;
-      const int64_t live = std::min<int64_t>(LANES, n - col);
-      if (live <= 0) break;  // the zero block padding N to a multiple of 32
-      const __mmask16 mask = first_lanes(live);
-      const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-      for (int64_t r = 0; r < rows; ++r)
-        store_row(yp + (r0 + r) * y_stride + col, mask, _mm512_add_ps(_mm512_load_ps(c + r * 32 + cb * LANES), bv));
-    }
+    store_pass(c, std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0), pair, n, bias, yp, y_stride, r0);
   });
 }
 
@@ -793,11 +805,6 @@ struct Q8_0F32Tiles {
   }
 };
 
-// 16 bf16 -> fp32 (exact: the bits in the high halves).
-inline __m512 bf16_to_float(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // rows rows of x (x_stride floats apart) -> xs [rows][K/32][3][32] bf16, the three pieces of each block side by
 // side (x = x1 + x2 + x3, run_gguf_amx_f32), and xsum [rows][K/32], each block's sum of x in fp32 (16 lanes plus
 // 16, then vreduce's order). Returns false when a value is past F32_AMX_MAX_ABS in magnitude, inf or NaN.
@@ -816,8 +823,8 @@ inline bool split_rows(const float* x, int64_t x_stride, int64_t rows, int64_t b
         const __m512bh p = _mm512_cvtne2ps_pbh(v[1], v[0]);
         _mm512_storeu_si512(dst + (b * F32_PIECES + i) * GGUF_K, (__m512i)p);
         const __m512i w = (__m512i)p;
-        v[0] = _mm512_sub_ps(v[0], bf16_to_float(_mm512_castsi512_si256(w)));
-        v[1] = _mm512_sub_ps(v[1], bf16_to_float(_mm512_extracti64x4_epi64(w, 1)));
+        v[0] = _mm512_sub_ps(v[0], bf16_widen16(_mm512_castsi512_si256(w)));
+        v[1] = _mm512_sub_ps(v[1], bf16_widen16(_mm512_extracti64x4_epi64(w, 1)));
       }
     }
   }
@@ -882,12 +889,7 @@ void run_gguf_amx_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   const int64_t x_stride = x.stride(0), y_stride = out.stride(0), pair_prep = blocks * F32_BLOCK_BYTES;
   const int64_t chunk = std::max<int64_t>(1, AMX_CHUNK_BYTES / pair_prep);
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = AMX_ROWS;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    load_tile_config(AMX_ROWS);
     const int64_t prepared_bytes = std::min(chunk, end - begin) * pair_prep;
     char* prepared = thread_scratch<char>(prepared_bytes + pass_rows * (a_stride + blocks * 4));
     auto* pieces = reinterpret_cast<uint16_t*>(prepared + prepared_bytes);
@@ -919,16 +921,7 @@ void run_gguf_amx_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
         for (int64_t pair = p0; pair < p1; ++pair) {
           f32_pass<Tiles>(reinterpret_cast<const char*>(pieces), a_stride, xsum, blocks,
                           prepared + (pair - p0) * pair_prep, acc);
-          for (int cb = 0; cb < 2; ++cb) {
-            const int64_t col = (2 * pair + cb) * LANES;
-            const int64_t live = std::min<int64_t>(LANES, n - col);
-            if (live <= 0) break;
-            const __mmask16 mask = first_lanes(live);
-            const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-            for (int64_t r = 0; r < rows; ++r)
-              _mm512_mask_storeu_ps(yp + (r0 + r) * y_stride + col, mask,
-                                    _mm512_add_ps(_mm512_load_ps(acc + r * 32 + cb * LANES), bv));
-          }
+          store_pass(acc, rows, pair, n, bias, yp, y_stride, r0);
         }
       }
     }
