@@ -48,6 +48,7 @@ from streamkv.model.linear import (
     quantize_int8,
 )
 from streamkv.model.rope import RopeScaling, apply_rope, read_rope, rope_inv_freq, rope_tables
+from streamkv.model.swiglu import GateUpSiluMul
 
 if TYPE_CHECKING:
     from streamkv.model.gguf_codes import GGUFCodes
@@ -305,6 +306,12 @@ class LlamaForCausalLM(nn.Module):
                     packed_head = pack_linear_weight(dense_head, batch_size_hint)
                 except RuntimeError:
                     return False
+        if small_ops is not None and not int8 and small_ops.small_linear_silu_mul_supported():
+            for name, module in self.named_modules():  # before the Linear prepack drops the dense weights
+                if isinstance(module, MLP):
+                    gate_up = module.gate_up_proj
+                    gate_up_codes = gguf.get(f"{name}.gate_up_proj")
+                    module.silu_mul = GateUpSiluMul.pack(small_ops, gate_up.weight, gate_up.bias, gate_up_codes)
         for name, module in self.named_modules():
             if isinstance(module, Linear):
                 module.prepack(batch_size_hint, small_ops, int8=int8, codes=gguf.get(name))
@@ -463,6 +470,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.fused: ModuleType | None = None
+        # gate_up with SiLU-and-mul in its epilogue for prefill rows on AMX (set by prepack_cpu_weights for bf16)
+        self.silu_mul: GateUpSiluMul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``; on the CPU a long step runs in slices of ``MLP_SLICE_ROWS`` rows (fp32) or
@@ -473,6 +482,8 @@ class MLP(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.silu_mul is not None and self.silu_mul.takes(x.shape[0]):
+            return self.down_proj.forward(self.silu_mul(x))  # bitwise silu_and_mul of small_linear's gate_up
         gate_up = self.gate_up_proj.forward(x)  # [T, 2 I]
         if self.fused is not None:
             act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)

@@ -35,7 +35,7 @@ from streamkv.gc_control import gc_paused
 from streamkv.model.gguf_cache import GGUFCache
 from streamkv.model.gguf_codes import GGUFTensor, gguf_tensor_table
 from streamkv.model.linear import Linear, has_gguf_kernel, has_int8_kernel
-from streamkv.model.llama import FUSED_DTYPES, DecoderLayer, LlamaConfig, LlamaForCausalLM
+from streamkv.model.llama import FUSED_DTYPES, MLP, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import emulated_bf16_warning, resolve_dtype
 from streamkv.model.progress_bars import progress_bars_on_a_terminal_only
 
@@ -332,6 +332,8 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) 
         where += f" ({len(narrow)} narrow weights up to {max(s.amx_rows for s in narrow)} rows)"
     if dtype == torch.float32 and on_amx and any(s.amx_rows == sys.maxsize for s in kernels):
         where += "; larger fp32 matmuls of the GGUF codes on AMX tiles from exact bf16 pieces of x"
+    if any(isinstance(m, MLP) and m.silu_mul is not None for m in model.modules()):
+        where += "; prefill gate_up with SiLU-and-mul in its epilogue, on AMX tiles"
     logger.info(
         "small-batch linear kernel for matmuls of <= %d rows (decode steps)%s: %.0f MiB of weights packed for it",
         rows,

@@ -55,12 +55,13 @@ SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "paged_prefill.cpp")
 HEADERS = tuple(_CSRC / h for h in ("amx.h", "kv_row.h", "kv_tile.h", "simd_math.h", "ops.h", "work_split.h"))
 FUSED_EXTENSION_NAME = "streamkv_fused_ops"
 FUSED_SOURCES = (_CSRC / "fused_layers.cpp",)
-FUSED_HEADERS = (_CSRC / "ops.h", _CSRC / "simd_math.h")
+FUSED_HEADERS = (_CSRC / "ops.h", _CSRC / "simd_math.h", _CSRC / "silu_table.h")
 LINEAR_EXTENSION_NAME = "streamkv_linear_ops"
 LINEAR_SOURCES = (_CSRC / "small_linear.cpp",)
-LINEAR_HEADERS = (_CSRC / "amx.h", _CSRC / "ops.h", _CSRC / "simd_math.h")
+LINEAR_HEADERS = (_CSRC / "amx.h", _CSRC / "ops.h", _CSRC / "simd_math.h", _CSRC / "silu_table.h")
 DECODE_EXTENSION_NAME = "streamkv_decode_ops"
 DECODE_SOURCES = (_CSRC / "decode_layer.cpp", *SOURCES, *FUSED_SOURCES, *LINEAR_SOURCES)
+DECODE_HEADERS = tuple(dict.fromkeys(HEADERS + FUSED_HEADERS + LINEAR_HEADERS))
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
@@ -120,7 +121,7 @@ def load_decode_ops() -> ModuleType | None:
     """
     if load_linear_ops() is None:
         return None
-    folder = build_directory() / f"decode-{_source_digest(DECODE_SOURCES + HEADERS)}"
+    folder = build_directory() / f"decode-{_source_digest(DECODE_SOURCES + DECODE_HEADERS)}"
     module = _build(
         DECODE_EXTENSION_NAME, DECODE_SOURCES, folder, "one call per op in each layer", ("-DSTREAMKV_NO_PYBIND",)
     )

@@ -21,6 +21,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "silu_table.h"
 #include "simd_math.h"
 
 // The AVX2 paths (8 lanes) run where AVX-512 is missing; the same operations in the same order per lane.
@@ -187,27 +188,10 @@ void add_rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor& residua
   });
 }
 
-// torch's bf16 silu (at::silu, rounded to bf16) of every bf16 value, widened to fp32, indexed by the value's bits.
-// A lookup (a gather per 16 lanes, 8 on AVX2) in place of an exp and a division per lane: bf16 silu_and_mul took
-// 1.70 ms on a [4096, 3072] gate_up against 1.03 with the table on the AMX host (docs/benchmarks.md, "Round 29"),
-// and its silu is torch's by construction, the sign of a zero included. Built on the first call, before any
-// parallel region; never freed.
-const float* bf16_silu_table() {
-  static const float* table = [] {
-    std::vector<uint16_t> bits(65536);
-    for (int i = 0; i < 65536; ++i) bits[i] = static_cast<uint16_t>(i);
-    const at::Tensor silu = at::silu(at::from_blob(bits.data(), {65536}, at::TensorOptions().dtype(at::kBFloat16)));
-    auto* t = new float[65536];
-    std::memcpy(t, silu.to(at::kFloat).contiguous().data_ptr<float>(), 65536 * sizeof(float));
-    return t;
-  }();
-  return table;
-}
-
 // bf16 rows: out = bf16(table[gate] * up), the table's entry being bf16(silu(gate)).
 void silu_and_mul_bf16(at::Tensor& out, const at::Tensor& gate_up) {
   const int64_t rows = out.size(0), n = out.size(1);
-  const float* table = bf16_silu_table();
+  const float* table = streamkv::bf16_silu_table();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   const at::BFloat16* gu = gate_up.data_ptr<at::BFloat16>();
   const int64_t so = out.stride(0), sg = gate_up.stride(0);

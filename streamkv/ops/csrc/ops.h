@@ -22,3 +22,5 @@ void argmax_rows(at::Tensor out, const at::Tensor& logits);
 void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias);
+void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias);

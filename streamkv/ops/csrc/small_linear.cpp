@@ -80,6 +80,7 @@
 
 // bf16 on AMX tiles (STREAMKV_AMX, amx.h): the same packed layout, see run_amx.
 #include "amx.h"
+#include "silu_table.h"
 #include "simd_math.h"
 
 #include <algorithm>
@@ -400,11 +401,13 @@ constexpr int64_t AMX_CHUNK_BYTES = 1 << 20;
 
 // One pass of k_tiles tile steps for the row block at a (and the one 16 rows below when TWO); step(t) gives tile
 // step t's 2 KB of bf16 weights in the panel layout (the two B tiles, 64 bytes apart with rows 128 apart). The C
-// tiles land in c_out [16 or 32 rows][32 floats]. No software prefetch on a dense panel: asking for it 2 or 4
-// steps ahead (into L1 or L2), or for the next panel during the later passes as run() does, timed the same as
-// none (load_tests/bench_small_linear.py, 1-128 rows, docs/benchmarks.md "Round 15").
-template <bool TWO, typename Step>
-inline void amx_pass_steps(const char* a, int64_t a_stride, int64_t k_tiles, float* c_out, const Step& step) {
+// tiles land in c_out [16 or 32 rows][32 floats]. between(t) runs after step t's tile products are issued: work for
+// the vector units (the previous pass's stores, run_amx_passes) while the tiles compute. No software prefetch on a
+// dense panel: asking for it 2 or 4 steps ahead (into L1 or L2), or for the next panel during the later passes as
+// run() does, timed the same as none (load_tests/bench_small_linear.py, 1-128 rows, docs/benchmarks.md "Round 15").
+template <bool TWO, typename Step, typename Between>
+inline void amx_pass_steps(const char* a, int64_t a_stride, int64_t k_tiles, float* c_out, const Step& step,
+                           const Between& between) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (TWO) {
@@ -423,6 +426,7 @@ inline void amx_pass_steps(const char* a, int64_t a_stride, int64_t k_tiles, flo
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    between(t);
   }
   _tile_stored(0, c_out, 128);
   _tile_stored(1, c_out + LANES, 128);
@@ -435,11 +439,6 @@ inline void amx_pass_steps(const char* a, int64_t a_stride, int64_t k_tiles, flo
 // K a multiple of 32 (the tiles take whole steps); other shapes run the vdpbf16ps kernel.
 bool amx_takes(int64_t k) { return k % AMX_K == 0; }
 
-// The walk every AMX matmul here shares. Each thread loads the tile configuration (tiles 0-5, C and A: tile_rows
-// rows; 6-7, B: 16 rows; 64 bytes a row), takes a contiguous range of the pairs and calls tile_pass(pair, pass, w)
-// for each of `passes` row passes of each pair, w the pair's panel, in the order AMX_PANEL_MAJOR_ROWS picks for m
-// rows; a row's result is the same in either order. panels(p0, p1) gives pair p0's panel with those of pairs
-// p0 + 1 .. p1 - 1 after it (panel_bytes apart), read until its next call on the same thread.
 // Loads this thread's tile configuration: tiles 0-5 (C and A) of ac_rows rows, 6-7 (B) of 16; 64 bytes a row.
 inline void load_tile_config(int64_t ac_rows) {
   TileConfig cfg;
@@ -450,31 +449,38 @@ inline void load_tile_config(int64_t ac_rows) {
   _tile_loadconfig(&cfg);
 }
 
-// A pass's results c [rows][32] fp32 for pair `pair` plus the bias, into rows r0.. of y (T: float or bf16), its
-// columns past n (the zero block padding N to a multiple of 32) left out.
+// Rows [r_begin, r_end) of a pass's results c [rows][32] fp32 for pair `pair` plus the bias, into rows r0 + r of
+// y (T: float or bf16), its columns past n (the zero block padding N to a multiple of 32) left out.
 template <typename T>
-inline void store_pass(const float* c, int64_t rows, int64_t pair, int64_t n, const float* bias, T* y,
-                       int64_t y_stride, int64_t r0) {
+inline void store_pass(const float* c, int64_t r_begin, int64_t r_end, int64_t pair, int64_t n, const float* bias,
+                       T* y, int64_t y_stride, int64_t r0) {
   for (int cb = 0; cb < 2; ++cb) {
     const int64_t col = (2 * pair + cb) * LANES;
     const int64_t live = std::min<int64_t>(LANES, n - col);
     if (live <= 0) break;
     const __mmask16 mask = first_lanes(live);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows; ++r)
+    for (int64_t r = r_begin; r < r_end; ++r)
       store_row(y + (r0 + r) * y_stride + col, mask, _mm512_add_ps(_mm512_load_ps(c + r * 32 + cb * LANES), bv));
   }
 }
 
-template <typename Panels, typename TilePass>
+// The walk every AMX matmul here shares. Each thread loads the tile configuration (tiles 0-5, C and A: tile_rows
+// rows; 6-7, B: 16 rows; 64 bytes a row), takes a contiguous range of the pairs and calls
+// tile_pass(state, pair, pass, w) for each of `passes` row passes of each pair, w the pair's panel, in the order
+// AMX_PANEL_MAJOR_ROWS picks for m rows; a row's result is the same in either order. panels(p0, p1) gives pair p0's
+// panel with those of pairs p0 + 1 .. p1 - 1 after it (panel_bytes apart), read until its next call on the same
+// thread. state is the thread's State, default-constructed on its stack; finish(state) runs after its last pass.
+template <typename State, typename Panels, typename TilePass, typename Finish>
 void amx_walk_panels(int64_t m, int64_t tile_rows, int64_t pairs, int64_t passes, int64_t panel_bytes,
-                     const Panels& panels, const TilePass& tile_pass) {
+                     const Panels& panels, const TilePass& tile_pass, const Finish& finish) {
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    State state;
     load_tile_config(tile_rows);
     if (m <= AMX_PANEL_MAJOR_ROWS) {
       for (int64_t pair = begin; pair < end; ++pair) {
         const char* w = panels(pair, pair + 1);
-        for (int64_t pass = 0; pass < passes; ++pass) tile_pass(pair, pass, w);
+        for (int64_t pass = 0; pass < passes; ++pass) tile_pass(state, pair, pass, w);
       }
     } else {
       const int64_t chunk = panel_bytes > 0 ? std::max<int64_t>(1, AMX_CHUNK_BYTES / panel_bytes) : end - begin;
@@ -482,22 +488,35 @@ void amx_walk_panels(int64_t m, int64_t tile_rows, int64_t pairs, int64_t passes
         const int64_t p1 = std::min(end, p0 + chunk);
         const char* w = panels(p0, p1);
         for (int64_t pass = 0; pass < passes; ++pass)
-          for (int64_t pair = p0; pair < p1; ++pair) tile_pass(pair, pass, w + (pair - p0) * panel_bytes);
+          for (int64_t pair = p0; pair < p1; ++pair) tile_pass(state, pair, pass, w + (pair - p0) * panel_bytes);
       }
     }
+    finish(state);
     _tile_release();
   });
 }
 
-// out [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias) on AMX tiles, each pair's panel in run<at::BFloat16>'s packed
-// layout. Rows go 32 at a time (two A tiles against the same two B tiles); past 16 rows x is copied into rows
-// padded to a multiple of 16 with zeros, so a tile never reads past x. panels and panel_bytes as in
-// amx_walk_panels: the packed weight itself (run_amx), or codes dequantized into a buffer (run_gguf_bf16).
-// pass_fn.run<TWO>(a, a_stride, panel, c) runs one pass's tiles over a panel into c (TWO: 32 rows, else 16):
-// PanelPass, or CodesPass on codes that it dequantizes a tile step at a time.
-template <typename Panels, typename Pass>
-void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const float* bias, int64_t n,
-                    int64_t panel_bytes, const Panels& panels, const Pass& pass_fn) {
+// A thread's pass whose stores wait for the tile steps of its next pass (run_amx_passes): the two C buffers in
+// turn, c[cur ^ 1] the pending one, its rows [done, rows) not yet stored (rows 0: none pending). On the thread's
+// stack (amx_walk_panels' State).
+struct PendingPass {
+  alignas(64) float c[2][2 * AMX_ROWS * 32];
+  int cur = 0;
+  int64_t rows = 0, done = 0, pair = 0, r0 = 0;
+};
+
+// x [M, K] bf16 @ W^T on AMX tiles, each pair's panel in run<at::BFloat16>'s packed layout, every pass's fp32
+// sums handed to store(c, r_begin, r_end, pair, r0): rows [r_begin, r_end) of c [rows][32], the pass's rows
+// r0 .. of the pair's 32 columns (no bias). Rows go 32 at a time (two A tiles against the same two B tiles); past
+// 16 rows x is copied into rows padded to a multiple of 16 with zeros, so a tile never reads past x. panels and
+// panel_bytes as in amx_walk_panels: the packed weight itself (run_amx), or codes dequantized into a buffer
+// (run_gguf_bf16). pass_fn.run<TWO>(a, a_stride, panel, c, between) runs one pass's k_tiles tile steps over a
+// panel into c (TWO: 32 rows, else 16): PanelPass, or CodesPass on codes that it dequantizes a tile step at a time.
+// A pass's stores run a few rows after each tile step of the thread's next pass (its last pass's at the end), so
+// the vector units convert and store while the tiles compute instead of between them.
+template <typename Panels, typename Pass, typename Store>
+void run_amx_passes(const at::Tensor& x, int64_t pairs, int64_t k_tiles, int64_t panel_bytes, const Panels& panels,
+                    const Pass& pass_fn, const Store& store) {
   const int64_t m = x.size(0), k = x.size(1);
   if (m == 0) return;
   // Fewer than 16 rows (a small decode batch): the A and C tiles are configured with m rows, so a tile step
@@ -511,27 +530,51 @@ void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const f
   }
   const char* xp = reinterpret_cast<const char*>(xs.data_ptr<at::BFloat16>());
   const int64_t x_stride = xs.stride(0) * 2;
+  const int64_t blocks = (mp + AMX_ROWS - 1) / AMX_ROWS, passes = (blocks + 1) / 2;
+  const auto drain = [&](PendingPass& p, int64_t upto) {
+    if (upto <= p.done) return;
+    store(p.c[p.cur ^ 1], p.done, upto, p.pair, p.r0);
+    p.done = upto;
+  };
+  amx_walk_panels<PendingPass>(
+      m, tile_rows, pairs, passes, panel_bytes, panels,
+      [&](PendingPass& p, int64_t pair, int64_t pass, const char* w) {
+        const int64_t r0 = 2 * pass * AMX_ROWS;
+        const bool two = 2 * pass + 1 < blocks;
+        const int64_t prev = p.rows;
+        const auto between = [&](int64_t t) { drain(p, (t + 1) * prev / k_tiles); };
+        if (two)
+          pass_fn.template run<true>(xp + r0 * x_stride, x_stride, w, p.c[p.cur], between);
+        else
+          pass_fn.template run<false>(xp + r0 * x_stride, x_stride, w, p.c[p.cur], between);
+        drain(p, prev);
+        p.rows = std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0);
+        p.done = 0;
+        p.pair = pair;
+        p.r0 = r0;
+        p.cur ^= 1;
+      },
+      [&](PendingPass& p) { drain(p, p.rows); });
+}
+
+// out [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias): run_amx_passes, each pass stored by store_pass.
+template <typename Panels, typename Pass>
+void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const float* bias, int64_t n,
+                    int64_t panel_bytes, const Panels& panels, const Pass& pass_fn) {
   at::BFloat16* yp = out.data_ptr<at::BFloat16>();
   const int64_t y_stride = out.stride(0);
-  const int64_t blocks = (mp + AMX_ROWS - 1) / AMX_ROWS, passes = (blocks + 1) / 2;
-  amx_walk_panels(m, tile_rows, pairs, passes, panel_bytes, panels, [&](int64_t pair, int64_t pass, const char* w) {
-    alignas(64) float c[2 * AMX_ROWS * 32];
-    const int64_t r0 = 2 * pass * AMX_ROWS;
-    const bool two = 2 * pass + 1 < blocks;
-    if (two)
-      pass_fn.template run<true>(xp + r0 * x_stride, x_stride, w, c);
-    else
-      pass_fn.template run<false>(xp + r0 * x_stride, x_stride, w, c);
-    store_pass(c, std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0), pair, n, bias, yp, y_stride, r0);
-  });
+  run_amx_passes(x, pairs, x.size(1) / AMX_K, panel_bytes, panels, pass_fn,
+                 [&](const float* c, int64_t r_begin, int64_t r_end, int64_t pair, int64_t r0) {
+                   store_pass(c, r_begin, r_end, pair, n, bias, yp, y_stride, r0);
+                 });
 }
 
 // One pass of amx_pass_steps over a panel in pack_small_linear's bf16 layout (k_tiles tile steps).
 struct PanelPass {
   int64_t k_tiles;
-  template <bool TWO>
-  void run(const char* a, int64_t a_stride, const char* w, float* c) const {
-    amx_pass_steps<TWO>(a, a_stride, k_tiles, c, [w](int64_t t) { return w + t * AMX_STEP_BYTES; });
+  template <bool TWO, typename Between>
+  void run(const char* a, int64_t a_stride, const char* w, float* c, const Between& between) const {
+    amx_pass_steps<TWO>(a, a_stride, k_tiles, c, [w](int64_t t) { return w + t * AMX_STEP_BYTES; }, between);
   }
 };
 
@@ -639,15 +682,18 @@ inline void dequantize_pair_bf16(const uint8_t* w, int64_t blocks, const uint8_t
 template <typename Layout>
 struct CodesPass {
   int64_t blocks;
-  template <bool TWO>
-  void run(const char* a, int64_t a_stride, const char* w, float* c_out) const {
+  template <bool TWO, typename Between>
+  void run(const char* a, int64_t a_stride, const char* w, float* c_out, const Between& between) const {
     alignas(64) uint16_t steps[2][AMX_STEP_BYTES / 2];
-    amx_pass_steps<TWO>(a, a_stride, blocks, c_out, [&](int64_t t) {
-      for (int64_t l = 0; l < Layout::BYTES / 64; ++l)
-        _mm_prefetch(w + (t + 2) * Layout::BYTES + l * 64, _MM_HINT_T0);
-      Layout::dequantize(reinterpret_cast<const uint8_t*>(w) + t * Layout::BYTES, steps[t & 1]);
-      return reinterpret_cast<const char*>(steps[t & 1]);
-    });
+    amx_pass_steps<TWO>(
+        a, a_stride, blocks, c_out,
+        [&](int64_t t) {
+          for (int64_t l = 0; l < Layout::BYTES / 64; ++l)
+            _mm_prefetch(w + (t + 2) * Layout::BYTES + l * 64, _MM_HINT_T0);
+          Layout::dequantize(reinterpret_cast<const uint8_t*>(w) + t * Layout::BYTES, steps[t & 1]);
+          return reinterpret_cast<const char*>(steps[t & 1]);
+        },
+        between);
   }
 };
 #endif
@@ -659,6 +705,25 @@ struct CodesPass {
 // 0.73-0.78 -> 0.69-0.77; at 96 and 128 rows the dequantized panels stay faster (24.5 / 28.3 against 26.3 / 35.4
 // ms; docs/benchmarks.md, "Round 31").
 constexpr int64_t AMX_CODES_MAX_ROWS = 64;
+
+#if defined(STREAMKV_AMX)
+// amx_walk_panels' panels(p0, p1) on GGUF codes in Layout's order (packed [pairs, blocks, ...] as run_gguf_bf16
+// takes them): pairs p0 .. p1 - 1 dequantized into this thread's scratch end to end (k x 32 bf16 a pair, the
+// layout of pack_small_linear's bf16 panels), each pair once a call.
+template <typename Layout>
+auto dequantized_panels(const uint8_t* wp, int64_t pairs, int64_t blocks, int64_t k) {
+  const int64_t pair_bytes = blocks * Layout::BYTES, panel_elems = k * 2 * LANES;
+  return [=](int64_t p0, int64_t p1) {
+    uint16_t* panel = thread_scratch<uint16_t>((p1 - p0) * panel_elems);
+    for (int64_t pair = p0; pair < p1; ++pair) {
+      const uint8_t* w = wp + pair * pair_bytes;
+      dequantize_pair_bf16<Layout>(w, blocks, pair + 1 < pairs ? w + pair_bytes : nullptr,
+                                   panel + (pair - p0) * panel_elems);
+    }
+    return reinterpret_cast<const char*>(panel);
+  };
+}
+#endif
 
 // y = x W^T (+ b) for bf16 x and out, W as GGUF codes in Layout's order, packed [N/32, K/32, Layout::BYTES / 16,
 // 16]. On AMX, up to AMX_CODES_MAX_ROWS rows (decode batches) run_amx_panels runs CodesPass on the codes
@@ -681,19 +746,8 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
                      CodesPass<Layout>{blocks});
       return;
     }
-    const int64_t panel_bytes = panel_elems * 2;
-    run_amx_panels(
-        out, x, pairs, bias, n, panel_bytes,
-        [&](int64_t p0, int64_t p1) {
-          uint16_t* panel = thread_scratch<uint16_t>((p1 - p0) * panel_elems);
-          for (int64_t pair = p0; pair < p1; ++pair) {
-            const uint8_t* w = wp + pair * pair_bytes;
-            dequantize_pair_bf16<Layout>(w, blocks, pair + 1 < pairs ? w + pair_bytes : nullptr,
-                                         panel + (pair - p0) * panel_elems);
-          }
-          return reinterpret_cast<const char*>(panel);
-        },
-        PanelPass{k / AMX_K});
+    run_amx_panels(out, x, pairs, bias, n, panel_elems * 2, dequantized_panels<Layout>(wp, pairs, blocks, k),
+                   PanelPass{k / AMX_K});
     return;
   }
 #endif
@@ -713,6 +767,54 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
                                        m0, 0, n - col, k / 2, nullptr, 0);
     }
   });
+}
+#endif
+
+#if defined(STREAMKV_AMX)
+// SwiGLU's gate_up with SiLU-and-mul in its epilogue, for prefill-sized bf16 batches (small_linear_silu_mul). W is
+// gate_up [2I, K] with its rows interleaved 16 at a time (pair q: gate rows 16 q .. 16 q + 15, then the same rows
+// of up), so a pass's 32 columns are 16 gate columns and their 16 up columns, and act [M, I] comes straight out of
+// the pass: the [M, 2I] gate_up (25 MB at 4,096 rows of SmolLM2) no longer goes to memory for silu_and_mul to read
+// back. g and u are rounded to bf16 with the bias as store_pass rounds them, and act = bf16(silu(g) * u) is
+// silu_and_mul_bf16's product (fused_layers.cpp: the same table, the same rounding), so act is bitwise
+// silu_and_mul(small_linear(x)) on the same weight, whatever the batch.
+inline void store_silu_mul_pass(const float* c, int64_t r_begin, int64_t r_end, int64_t pair, const float* bias,
+                                const float* table, at::BFloat16* act, int64_t act_stride, int64_t r0) {
+  const __m512 bg = bias ? _mm512_loadu_ps(bias + 2 * pair * LANES) : _mm512_setzero_ps();
+  const __m512 bu = bias ? _mm512_loadu_ps(bias + (2 * pair + 1) * LANES) : _mm512_setzero_ps();
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const __m256i g = bf16_round16(_mm512_add_ps(_mm512_load_ps(c + r * 32), bg));
+    const __m256i u = bf16_round16(_mm512_add_ps(_mm512_load_ps(c + r * 32 + LANES), bu));
+    const __m512 silu = _mm512_i32gather_ps(_mm512_cvtepu16_epi32(g), table, 4);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + (r0 + r) * act_stride + pair * LANES),
+                        bf16_round16(_mm512_mul_ps(silu, bf16_widen16(u))));
+  }
+}
+
+// act [M, I] from x [M, K] on the interleaved gate_up, packed dense (pack_small_linear, bf16) or as bf16 GGUF codes;
+// run_amx_passes over the weight's panels (codes dequantized a chunk of pairs at a time, each pair once a call).
+void run_silu_mul(at::Tensor& act, const at::Tensor& x, const at::Tensor& packed, const float* bias) {
+  const float* table = streamkv::bf16_silu_table();  // built here, before the parallel region
+  at::BFloat16* ap = act.data_ptr<at::BFloat16>();
+  const int64_t a_stride = act.stride(0), k = x.size(1), pairs = packed.size(0), k_tiles = k / AMX_K;
+  const auto store = [&](const float* c, int64_t r_begin, int64_t r_end, int64_t pair, int64_t r0) {
+    store_silu_mul_pass(c, r_begin, r_end, pair, bias, table, ap, a_stride, r0);
+  };
+  if (packed.scalar_type() == at::kBFloat16) {
+    const char* wp = reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>());
+    const int64_t panel_bytes = k_tiles * AMX_STEP_BYTES;
+    run_amx_passes(x, pairs, k_tiles, panel_bytes, [&](int64_t p0, int64_t) { return wp + p0 * panel_bytes; },
+                   PanelPass{k_tiles}, store);
+    return;
+  }
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t blocks = packed.size(1), panel_bytes = k * 2 * LANES * 2;
+  if (packed.size(2) == Q4_1_BF16_LINES)
+    run_amx_passes(x, pairs, k_tiles, panel_bytes, dequantized_panels<Q4_1Bf16>(wp, pairs, blocks, k),
+                   PanelPass{k_tiles}, store);
+  else
+    run_amx_passes(x, pairs, k_tiles, panel_bytes, dequantized_panels<Q8_0Bf16>(wp, pairs, blocks, k),
+                   PanelPass{k_tiles}, store);
 }
 #endif
 
@@ -921,7 +1023,7 @@ void run_gguf_amx_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
         for (int64_t pair = p0; pair < p1; ++pair) {
           f32_pass<Tiles>(reinterpret_cast<const char*>(pieces), a_stride, xsum, blocks,
                           prepared + (pair - p0) * pair_prep, acc);
-          store_pass(acc, rows, pair, n, bias, yp, y_stride, r0);
+          store_pass(acc, 0, rows, pair, n, bias, yp, y_stride, r0);
         }
       }
     }
@@ -1395,7 +1497,9 @@ void run_amx_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
         int8_quad_step(wp + pair * pair_bytes, steps, t, panel + (pair - p0) * panel_bytes + t * AMX_INT8_STEP_BYTES);
     return reinterpret_cast<const char*>(panel);
   };
-  amx_walk_panels(m, tile_rows, pairs, passes, panel_bytes, panels, [&](int64_t pair, int64_t pass, const char* w) {
+  struct NoState {};
+  amx_walk_panels<NoState>(m, tile_rows, pairs, passes, panel_bytes, panels, [&](NoState&, int64_t pair, int64_t pass,
+                                                                               const char* w) {
     alignas(64) float acc[AMX_ROWS * 32];
     const int64_t r0 = pass * AMX_ROWS, rows = std::min<int64_t>(AMX_ROWS, m - r0);
     const int8_t* wq = reinterpret_cast<const int8_t*>(w);
@@ -1421,7 +1525,7 @@ void run_amx_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
     }
     store_int8_pair(yp, y_stride, r0, rows, pair, n, wscale, bias, xsp,
                     [&](int c, int64_t r) { return _mm512_load_ps(acc + r * 32 + c * LANES); });
-  });
+  }, [](NoState&) {});
 }
 #endif
 #endif
@@ -1739,6 +1843,44 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
 #endif
 }
 
+// Whether small_linear_silu_mul runs in this process: a build with AMX-BF16 and the tiles switched on (amx()).
+bool small_linear_silu_mul_supported() {
+#if defined(STREAMKV_AMX)
+  return amx_on();
+#else
+  return false;
+#endif
+}
+
+// act [M, I] bf16 = silu(x Wg^T (+ bg)) * (x Wu^T (+ bu)), each factor rounded to bf16 first: bitwise
+// silu_and_mul(act, small_linear(x, W)) for the same W, without the [M, 2I] gate_up in memory (run_silu_mul). W is
+// gate_up with its rows interleaved 16 at a time (gate rows 16 q .. 16 q + 15, then up's), packed by
+// pack_small_linear (bf16) or pack_small_linear_q4_1 / _q8_0 with bf16=True; bias [2I] in the same order. I must be a
+// multiple of 16 and K of 32. Raises where small_linear_silu_mul_supported() is false.
+void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(small_linear_silu_mul_supported(), "small_linear_silu_mul needs AMX-BF16 tiles, switched on");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && act.scalar_type() == at::kBFloat16, "x and act must be bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && act.dim() == 2 && act.stride(1) == 1 && act.size(0) == x.size(0),
+              "x and act must be [M, K] and [M, I] with unit last strides");
+  const int64_t i = act.size(1), k = x.size(1), n = 2 * i;
+  TORCH_CHECK(i > 0 && i % LANES == 0 && k > 0 && k % 32 == 0,
+              "small_linear_silu_mul needs I a multiple of 16 and K of 32, got I = ", i, ", K = ", k);
+  TORCH_CHECK(packed.is_contiguous() && packed.size(0) == n / (2 * LANES), "packed has ", packed.size(0) * 2 * LANES,
+              " rows for 2I = ", n);
+  const bool dense = packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(1) == k / 2 &&
+                     packed.size(2) == 4 * LANES;
+  const bool codes = packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(1) * 32 == k &&
+                     packed.size(3) == 16 && (packed.size(2) == Q4_1_BF16_LINES || packed.size(2) == Q8_0_BF16_LINES);
+  TORCH_CHECK(dense || codes,
+              "packed must come from pack_small_linear (bfloat16) or pack_small_linear_q4_1 / _q8_0 with bf16=True, "
+              "for K = ", k);
+  const at::Tensor b32 = bias_f32(bias, n);
+#if defined(STREAMKV_AMX)
+  run_silu_mul(act, x, packed, b32.defined() ? b32.data_ptr<float>() : nullptr);
+#endif
+}
+
 #ifndef STREAMKV_NO_PYBIND  // left out of streamkv_decode_ops (decode_layer.cpp), which calls the ops directly
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_supported", &small_linear_supported, "whether this build has the fp32 kernel");
@@ -1763,6 +1905,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_small_linear_q8_0", &pack_small_linear_q8_0,
         "pack GGUF Q8_0 codes [N, K] int8 with their float16 d [N, K/32] for small_linear (float32 x, or bf16)",
         py::arg("codes"), py::arg("d"), py::arg("bf16") = false);
+  m.def("small_linear_silu_mul_supported", &small_linear_silu_mul_supported,
+        "whether small_linear_silu_mul runs in this process (AMX-BF16, switched on)");
+  m.def("small_linear_silu_mul", &small_linear_silu_mul,
+        "act = silu(x W_gate^T) * (x W_up^T) in bf16, W = gate_up with rows interleaved 16 at a time, packed",
+        py::arg("act"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("pack_small_linear_int8", &pack_small_linear_int8, "pack an int8 [N, K] weight for small_linear_int8");
   m.def("small_linear_int8", &small_linear_int8,
         "out = (x @ q^T) * scale (+ bias) for few rows, q packed int8 (CPU, fp32/bf16 x)", py::arg("out"),

@@ -1,0 +1,126 @@
+"""SwiGLU's gate_up with SiLU-and-mul in the matmul's epilogue, for bf16 prefill chunks on AMX tiles.
+
+A prefill step of 4,096 rows makes a ``[4096, 2 I]`` gate_up output (25 MB in
+bf16 for SmolLM2) that goes to memory for ``silu_and_mul`` to read back and
+halve. ``small_linear_silu_mul`` (``streamkv/ops/csrc/small_linear.cpp``)
+writes only ``act [T, I]``: gate_up's rows are packed interleaved 16 at a time
+(:func:`interleave_gate_up`), so each 32-column pass of the AMX kernel holds
+16 gate columns and their 16 up columns and applies SiLU-and-mul to them as
+it stores them. Its result is bitwise ``silu_and_mul`` of the kernel's own
+gate_up (the same tile sums, the same bf16 roundings and SiLU table), which
+is the decode rows' gate_up: a row's MLP no longer depends on whether it was
+prefilled or decoded, or in how large a chunk. Against oneDNN's gate_up
+followed by ``silu_and_mul`` (``docs/benchmarks.md``, "Round 33"), it takes
+the rows past :data:`SILU_MUL_MIN_ROWS`.
+
+Only where the AMX-BF16 kernel runs (``small_linear_silu_mul_supported``:
+the build has it and the AMX switch is on); elsewhere, and for the rows of a
+decode step, the MLP runs its gate_up matmul and ``silu_and_mul`` as before.
+The packed copy is the GGUF's codes where the model has them (about 0.3 of
+the bf16 bytes for Q4_1), else the dense bf16 weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from streamkv.model.gguf_codes import GGUFCodes
+
+# gate_up rows per group of the interleaved order: one AMX column block (small_linear.cpp's LANES).
+INTERLEAVE = 16
+# K must fill whole tile steps of 32 bf16 (small_linear.cpp's AMX_K).
+TILE_K = 32
+# Fewest rows sent to the fused kernel: a decode step's rows (up to SMALL_LINEAR_MAX_ROWS) keep the small-batch
+# kernel and silu_and_mul, which the fused op's bits equal.
+SILU_MUL_MIN_ROWS = 129
+
+
+def interleave_gate_up(intermediate: int) -> np.ndarray:
+    """Row order of a ``[gate; up]`` weight ``[2 I, K]`` for ``small_linear_silu_mul``.
+
+    Row ``32 q + j`` of the result is gate row ``16 q + j`` and row
+    ``32 q + 16 + j`` is up row ``16 q + j`` (``j < 16``).
+
+    Raises:
+        ValueError: ``intermediate`` is not a multiple of 16.
+    """
+    if intermediate % INTERLEAVE:
+        raise ValueError(f"intermediate size {intermediate} is not a multiple of {INTERLEAVE}")
+    gate = np.arange(intermediate, dtype=np.int64).reshape(-1, INTERLEAVE)
+    return np.concatenate([gate, gate + intermediate], axis=1).reshape(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class GateUpSiluMul:
+    """A bf16 gate_up weight packed interleaved for ``small_linear_silu_mul``.
+
+    Attributes:
+        ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module.
+        packed: the interleaved weight, ``pack_small_linear`` (bf16) or the GGUF codes' bf16 pack.
+        intermediate: ``I``, the columns of ``act``.
+        bias: float32 ``[2 I]`` in the interleaved order, or None.
+    """
+
+    ops: ModuleType
+    packed: torch.Tensor
+    intermediate: int
+    bias: torch.Tensor | None
+
+    @classmethod
+    def pack(
+        cls,
+        ops: ModuleType,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        codes: GGUFCodes | None = None,
+    ) -> GateUpSiluMul | None:
+        """Pack a bf16 ``[gate; up]`` weight ``[2 I, K]`` (or the GGUF ``codes`` that give it bitwise).
+
+        Returns:
+            None where the fused kernel cannot take it: ``ops`` without the op, a weight that is not bfloat16,
+            ``I`` not a multiple of 16 or ``K`` not of 32.
+        """
+        intermediate, k = weight.shape[0] // 2, weight.shape[1]
+        usable = (
+            hasattr(ops, "small_linear_silu_mul")
+            and weight.dtype == torch.bfloat16
+            and weight.shape[0] % (2 * INTERLEAVE) == 0
+            and k % TILE_K == 0
+        )
+        if not usable:
+            return None
+        order = interleave_gate_up(intermediate)
+        if codes is not None and ops.small_linear_gguf_bf16_supported():
+            packed = codes.rows(order).pack(ops, bf16=True)
+        else:
+            packed = ops.pack_small_linear(weight.detach()[torch.from_numpy(order)].contiguous())
+        b = None if bias is None else bias.detach().float()[torch.from_numpy(order)].contiguous()
+        return cls(ops, packed, intermediate, b)
+
+    def takes(self, rows: int) -> bool:
+        """Whether ``rows`` rows run fused: prefill-sized, while the AMX kernel runs in this process."""
+        return rows >= SILU_MUL_MIN_ROWS and bool(self.ops.small_linear_silu_mul_supported())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, K]`` bfloat16 -> ``act [T, I]`` = ``silu(x W_gate^T + b_gate) * (x W_up^T + b_up)``, each
+        factor rounded to bf16 first, as ``silu_and_mul`` of the bf16 gate_up.
+
+        Raises:
+            RuntimeError: the AMX kernel is off, or ``x`` does not fit the packed weight (the op checks).
+        """
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        act = x.new_empty(x.shape[0], self.intermediate)
+        self.ops.small_linear_silu_mul(act, x, self.packed, self.bias)
+        return act
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weight."""
+        return self.packed.nbytes

@@ -1,0 +1,229 @@
+"""gate_up with SiLU-and-mul in the matmul's epilogue (``small_linear_silu_mul``, ``streamkv/model/swiglu.py``).
+
+The contract is exactness: on gate_up's rows interleaved 16 at a time, the
+op's ``act`` is bitwise ``silu_and_mul`` (``fused_layers.cpp``) of
+``small_linear``'s gate_up on the weight in its own order, for dense bf16
+weights and for GGUF Q4_1 / Q8_0 codes, at decode and prefill row counts,
+with a bias, strided rows, special values (a NaN row, -0, values whose SiLU
+overflows) and one thread walking many chunks. Compared as int16 bits, so a
+NaN or a zero's sign counts. Then the MLP: past ``SILU_MUL_MIN_ROWS`` rows
+of a bf16 model on AMX it runs fused, with the same bits as the unfused MLP
+on the small-batch kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from streamkv.model.llama import LlamaConfig, LlamaForCausalLM
+from streamkv.model.swiglu import SILU_MUL_MIN_ROWS, GateUpSiluMul, interleave_gate_up
+from streamkv.ops.cpu_ops import load_fused_ops, load_linear_ops, set_amx
+from tests.test_gguf_codes import random_codes
+
+ops = load_linear_ops()
+fused = load_fused_ops()
+pytestmark = pytest.mark.skipif(ops is None or fused is None, reason="the C++ linear and fused ops are not built here")
+NO_AMX = pytest.mark.skipif(
+    ops is None or not ops.small_linear_silu_mul_supported(), reason="the fused gate_up needs AMX-BF16 (switched on)"
+)
+
+
+def test_interleave_puts_16_gate_rows_then_their_16_up_rows() -> None:
+    order = interleave_gate_up(32)
+    assert order.tolist() == [*range(0, 16), *range(32, 48), *range(16, 32), *range(48, 64)]
+    assert sorted(interleave_gate_up(1536).tolist()) == list(range(3072))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        interleave_gate_up(24)
+
+
+def packs(kind: str, intermediate: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up packed in its own order, the same weight packed interleaved) for small_linear and the fused op."""
+    order = interleave_gate_up(intermediate)
+    if kind == "dense":
+        g = torch.Generator().manual_seed(seed)
+        w = (torch.randn(2 * intermediate, k, generator=g) * 0.1).bfloat16()
+        return ops.pack_small_linear(w), ops.pack_small_linear(w[torch.from_numpy(order)].contiguous())
+    codes = random_codes(kind, 2 * intermediate, k, seed)
+    return codes.pack(ops, bf16=True), codes.rows(order).pack(ops, bf16=True)
+
+
+def unfused(x: torch.Tensor, packed: torch.Tensor, intermediate: int, bias: torch.Tensor | None) -> torch.Tensor:
+    gate_up = x.new_empty(x.shape[0], 2 * intermediate)
+    ops.small_linear(gate_up, x, packed, bias)
+    act = x.new_empty(x.shape[0], intermediate)
+    fused.silu_and_mul(act, gate_up)
+    return act
+
+
+def silu_mul(x: torch.Tensor, packed: torch.Tensor, intermediate: int, bias: torch.Tensor | None) -> torch.Tensor:
+    act = x.new_empty(x.shape[0], intermediate)
+    ops.small_linear_silu_mul(act, x, packed, bias)
+    return act
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16
+    diff = got.view(torch.int16) != want.view(torch.int16)
+    assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} differ, first at {diff.nonzero()[0].tolist()}"
+
+
+@pytest.fixture
+def amx_on() -> Iterator[None]:
+    before = set_amx(True)
+    try:
+        yield
+    finally:
+        set_amx(before)
+
+
+@NO_AMX
+@pytest.mark.usefixtures("amx_on")
+@pytest.mark.parametrize("kind", ["dense", "q4_1", "q8_0"])
+@pytest.mark.parametrize("intermediate, k", [(16, 32), (48, 96), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 15, 17, 33, 129, 300])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_bitwise_silu_and_mul_of_the_unfused_matmul(
+    kind: str, intermediate: int, k: int, rows: int, with_bias: bool
+) -> None:
+    plain, interleaved = packs(kind, intermediate, k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(2 * intermediate, generator=g) if with_bias else None
+    order = torch.from_numpy(interleave_gate_up(intermediate))
+    got = silu_mul(x, interleaved, intermediate, None if bias is None else bias[order])
+    assert_same_bits(got, unfused(x, plain, intermediate, bias))
+
+
+@NO_AMX
+@pytest.mark.usefixtures("amx_on")
+@pytest.mark.parametrize("kind", ["dense", "q4_1"])
+def test_special_values_strided_rows_and_one_thread_over_many_chunks(kind: str) -> None:
+    intermediate, k, rows = 1536, 576, 161  # 96 pairs of 36 KB panels: 4 chunks of 1 MB on one thread
+    plain, interleaved = packs(kind, intermediate, k, seed=3)
+    g = torch.Generator().manual_seed(4)
+    big = torch.randn(rows, k + 64, generator=g).bfloat16()
+    x = big[:, 32 : 32 + k]  # rows 2 * (k + 64) bytes apart
+    x[3] = float("nan")  # one row of NaN: only its outputs are NaN
+    x[5] *= 1e30  # gate and up past bf16's range: silu(+-inf) and inf * 0
+    x[7] = -0.0  # every product -0 or 0: the sign of the sums' zeros
+    x[9, ::2] = 0.0
+    out = torch.full((rows, intermediate + 40), 7.0, dtype=torch.bfloat16)
+    act = out[:, 8 : 8 + intermediate]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ops.small_linear_silu_mul(act, x, interleaved, None)
+    finally:
+        torch.set_num_threads(threads)
+    want = unfused(x.contiguous(), plain, intermediate, None)
+    assert_same_bits(act, want)
+    assert act[3].isnan().all() and not act[:3].isnan().any()
+    assert (out[:, :8] == 7).all() and (out[:, 8 + intermediate :] == 7).all()  # nothing outside act is written
+
+
+def test_bad_arguments_raise() -> None:
+    plain, interleaved = packs("dense", 48, 96)
+    x = torch.randn(4, 96).bfloat16()
+    act = torch.empty(4, 48, dtype=torch.bfloat16)
+    before = set_amx(False)
+    try:
+        with pytest.raises(RuntimeError, match="needs AMX-BF16"):
+            ops.small_linear_silu_mul(act, x, interleaved, None)
+    finally:
+        set_amx(before)
+    if not ops.small_linear_silu_mul_supported():
+        return
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        ops.small_linear_silu_mul(act.float(), x.float(), interleaved, None)
+    with pytest.raises(RuntimeError, match="I a multiple of 16"):
+        ops.small_linear_silu_mul(torch.empty(4, 40, dtype=torch.bfloat16), x, interleaved, None)
+    with pytest.raises(RuntimeError, match="rows for 2I"):
+        ops.small_linear_silu_mul(torch.empty(4, 32, dtype=torch.bfloat16), x, interleaved, None)
+    with pytest.raises(RuntimeError, match="must come from"):
+        ops.small_linear_silu_mul(act, x, ops.pack_small_linear(torch.randn(96, 96)), None)
+    with pytest.raises(RuntimeError, match="must come from"):
+        ops.small_linear_silu_mul(act, torch.randn(4, 64).bfloat16(), interleaved, None)  # packed for K = 96
+
+
+def test_pack_declines_what_the_kernel_cannot_take() -> None:
+    w = torch.randn(96, 64).bfloat16()
+    assert GateUpSiluMul.pack(ops, w.float()) is None  # float32
+    assert GateUpSiluMul.pack(ops, torch.randn(80, 64).bfloat16()) is None  # I = 40
+    assert GateUpSiluMul.pack(ops, torch.randn(96, 48).bfloat16()) is None  # K = 48
+    fused_gate_up = GateUpSiluMul.pack(ops, w)
+    assert fused_gate_up is not None and fused_gate_up.intermediate == 48
+    before = set_amx(False)
+    try:
+        assert not fused_gate_up.takes(4096)
+    finally:
+        set_amx(before)
+    if ops.small_linear_silu_mul_supported():
+        assert fused_gate_up.takes(SILU_MUL_MIN_ROWS) and not fused_gate_up.takes(SILU_MUL_MIN_ROWS - 1)
+
+
+def bf16_llama(mlp_bias: bool) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        vocab_size=300, tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=mlp_bias,
+        max_position_embeddings=256, sliding_window=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            nn.init.normal_(p, std=0.2)
+    model.reset_rope(dtype=torch.bfloat16, device="cpu")
+    return model.to(torch.bfloat16).eval()
+
+
+@NO_AMX
+@pytest.mark.usefixtures("amx_on")
+@pytest.mark.parametrize("mlp_bias", [False, True], ids=["no-bias", "bias"])
+def test_a_bf16_mlp_runs_prefill_rows_fused_with_the_unfused_bits(mlp_bias: bool) -> None:
+    model = bf16_llama(mlp_bias)
+    assert model.prepack_cpu_weights(small_ops=ops)
+    assert model.use_fused_ops(fused)
+    mlp = model.model.layers[0].mlp
+    assert mlp.silu_mul is not None
+    calls: list[int] = []
+    original = ops.small_linear_silu_mul
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            return getattr(ops, name)
+
+        def small_linear_silu_mul(self, act: torch.Tensor, *args: object) -> None:
+            calls.append(act.shape[0])
+            original(act, *args)
+
+    mlp.silu_mul = GateUpSiluMul(Spy(), mlp.silu_mul.packed, mlp.silu_mul.intermediate, mlp.silu_mul.bias)  # type: ignore[arg-type]
+    for rows in (SILU_MUL_MIN_ROWS - 1, SILU_MUL_MIN_ROWS, 700):
+        x = torch.randn(rows, 64).bfloat16()
+        with torch.inference_mode():
+            got = mlp.forward(x)
+            act = x.new_empty(rows, 96)
+            fused.silu_and_mul(act, mlp.gate_up_proj.small(x))  # gate_up on the small-batch kernel at any rows
+            want = mlp.down_proj.forward(act)
+        assert_same_bits(got, want)
+    assert calls == [SILU_MUL_MIN_ROWS, 700]
+    before = set_amx(False)
+    try:
+        mlp.forward(torch.randn(700, 64).bfloat16())  # AMX off: the unfused path (oneDNN's gate_up)
+    finally:
+        set_amx(before)
+    assert calls == [SILU_MUL_MIN_ROWS, 700]
+
+
+def test_int8_and_float32_models_keep_the_unfused_mlp() -> None:
+    model = bf16_llama(False)
+    assert model.prepack_cpu_weights(small_ops=ops, int8=True)
+    assert all(layer.mlp.silu_mul is None for layer in model.model.layers)
+    model32 = bf16_llama(False).float()
+    model32.reset_rope(dtype=torch.float32, device="cpu")
+    assert model32.prepack_cpu_weights(small_ops=ops)
+    assert all(layer.mlp.silu_mul is None for layer in model32.model.layers)
