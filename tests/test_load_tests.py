@@ -389,3 +389,19 @@ def test_bench_attention_cold_layers_smoke(capsys: pytest.CaptureFixture[str]) -
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 | 40 |")]
     assert [r[3].strip() for r in rows] == ["float32", "int8"]
     assert all(float(r[6]) > 0 for r in rows)  # KV GB/s of the best round
+
+
+def test_bench_prefill_mlp_smoke_on_the_tiny_model(tiny_model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from load_tests import bench_prefill_mlp
+    from streamkv.ops.cpu_ops import load_linear_ops
+
+    argv = ["--model", tiny_model_dir, "--budgets", "160", "--batch", "2", "--prompt", "80", "--rounds", "1",
+            "--threads", "1"]  # fmt: skip
+    assert bench_prefill_mlp.main(argv) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 160 |")]
+    assert len(rows) == 1
+    ops = load_linear_ops()
+    if ops is not None and ops.small_linear_silu_mul_supported():
+        assert all(float(rows[0][i]) > 0 for i in (2, 3, 4, 5, 6))  # both routings timed
+    else:
+        assert "no fused gate_up here" in rows[0][-2]
