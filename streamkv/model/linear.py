@@ -95,7 +95,8 @@ SMALL_LINEAR_MAX_ROWS_AVX2 = sys.maxsize
 # the LM head). On 2 threads oneDNN's bf16 matmul runs many of those shapes on one thread (o up to 768 rows,
 # qkv at 768-1,024, down_proj from 256 to at least 1,280), while run_amx always splits the column pairs between
 # the threads: at 512 and 1,024 rows down_proj runs 1.6-2.0x faster, qkv 1.1-1.7x, o 1.8x at 512 and 0.86-0.89x
-# at 896-1,024 (docs/benchmarks.md, "Round 16"). Past 1,024 rows, and for gate_up past 128, oneDNN is ahead.
+# at 896-1,024 (docs/benchmarks.md, "Round 16"). Past 1,024 rows, and for gate_up past 128, oneDNN is ahead; but
+# a bf16 MLP runs gate_up past 128 rows on this kernel with SiLU-and-mul in its epilogue (streamkv/model/swiglu.py).
 # Only while the AMX switch is on: the vdpbf16ps kernel is 4x slower at these sizes.
 AMX_NARROW_MAX_COLUMNS = 1024
 AMX_NARROW_MAX_ROWS = 1024
