@@ -188,12 +188,15 @@ def test_argmax_rows_refuses_bad_input() -> None:
         argmax_rows(torch.randn(2, 0))
 
 
-def small_llama(dtype: torch.dtype) -> LlamaForCausalLM:
+def small_llama(
+    dtype: torch.dtype, hidden: int = 80, intermediate: int = 168, heads: int = 6, mlp_bias: bool = False
+) -> LlamaForCausalLM:
+    """A 2-layer random Llama (head_dim 16, 2 KV heads), norm weights near 1."""
     config = LlamaConfig(
-        model_type="llama", hidden_size=80, intermediate_size=168, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=16, rms_norm_eps=EPS, rope_theta=10000.0, rope_scaling=None,
-        vocab_size=300, tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False,
-        max_position_embeddings=256, sliding_window=None,
+        model_type="llama", hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=2, head_dim=16, rms_norm_eps=EPS, rope_theta=10000.0,
+        rope_scaling=None, vocab_size=300, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
+        mlp_bias=mlp_bias, max_position_embeddings=256, sliding_window=None,
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

@@ -17,11 +17,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from torch import nn
 
-from streamkv.model.llama import LlamaConfig, LlamaForCausalLM
+from streamkv.model.llama import LlamaForCausalLM
 from streamkv.model.swiglu import SILU_MUL_MIN_ROWS, GateUpSiluMul, interleave_gate_up
 from streamkv.ops.cpu_ops import load_fused_ops, load_linear_ops, set_amx
+from tests.test_fused_ops import small_llama
 from tests.test_gguf_codes import random_codes
 
 ops = load_linear_ops()
@@ -166,19 +166,8 @@ def test_pack_declines_what_the_kernel_cannot_take() -> None:
 
 
 def bf16_llama(mlp_bias: bool) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-        vocab_size=300, tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=mlp_bias,
-        max_position_embeddings=256, sliding_window=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            nn.init.normal_(p, std=0.2)
-    model.reset_rope(dtype=torch.bfloat16, device="cpu")
-    return model.to(torch.bfloat16).eval()
+    """hidden 64 (K a multiple of 32) and I = 96 (a multiple of 16): the fused kernel takes its gate_up."""
+    return small_llama(torch.bfloat16, hidden=64, intermediate=96, heads=4, mlp_bias=mlp_bias)
 
 
 @NO_AMX
@@ -223,7 +212,6 @@ def test_int8_and_float32_models_keep_the_unfused_mlp() -> None:
     model = bf16_llama(False)
     assert model.prepack_cpu_weights(small_ops=ops, int8=True)
     assert all(layer.mlp.silu_mul is None for layer in model.model.layers)
-    model32 = bf16_llama(False).float()
-    model32.reset_rope(dtype=torch.float32, device="cpu")
+    model32 = small_llama(torch.float32, hidden=64, intermediate=96, heads=4)
     assert model32.prepack_cpu_weights(small_ops=ops)
     assert all(layer.mlp.silu_mul is None for layer in model32.model.layers)
