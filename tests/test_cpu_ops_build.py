@@ -99,3 +99,32 @@ def test_each_build_folder_is_keyed_by_its_sources_and_every_header_they_include
         assert len(digests) == 1, f"{name}: folder {folder.name} is not keyed by a digest of its files"
         missing = _compiled_files(sources) - set(keyed[digests[0]])
         assert not missing, f"{name}: a change to {sorted(p.name for p in missing)} would not change its folder"
+
+
+@pytest.mark.timeout(300)
+def test_the_sources_compile_for_cpus_without_amx_or_avx512() -> None:
+    """-march=native builds only this CPU's branches: a name defined under one ISA's #if and used outside it breaks
+    other CPUs' builds unseen here (round 33's fused gate_up did, on AVX-512 without BF16). Syntax only, in
+    parallel: Ice Lake (AVX-512 with VNNI, no BF16) and Haswell (AVX2)."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ here")
+    csrc = Path(cpu_ops.__file__).parent / "csrc"
+    flags = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    flags += ["-std=c++20", "-fsyntax-only", "-fopenmp", "-w", "-DTORCH_EXTENSION_NAME=x"]
+    jobs = {
+        (source, arch): subprocess.Popen(
+            [compiler, *flags, f"-march={arch}", str(csrc / source)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for source in ("small_linear.cpp", "fused_layers.cpp")
+        for arch in ("icelake-server", "haswell")
+    }
+    outputs = {key: job.communicate(timeout=280)[0].decode()[-2000:] for key, job in jobs.items()}
+    failed = {key: out for key, out in outputs.items() if jobs[key].returncode != 0}
+    assert not failed, failed

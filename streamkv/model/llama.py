@@ -272,7 +272,10 @@ class LlamaForCausalLM(nn.Module):
                 ``SmallMatmul.max_rows`` rows (decode steps; ``amx_rows`` for narrow bf16
                 weights while AMX is on, :meth:`SmallMatmul.takes`) then run on its kernel, from a
                 second packed copy of each weight (float32 and bfloat16 only); where it
-                takes every batch size (float32 on an AVX2 build) it is the only copy.
+                takes every batch size (float32 on an AVX2 build) it is the only copy. A
+                bfloat16 model whose ops run AMX tiles also keeps each gate_up once more,
+                interleaved for the fused SiLU-and-mul of prefill rows (:class:`GateUpSiluMul`;
+                its GGUF codes where ``codes`` has them, else the dense weight).
             int8: every projection and the LM head become their int8 models
                 (:func:`streamkv.model.linear.quantize_int8`, one scale per output),
                 run by the int8 kernel at every batch size when ``small_ops`` has it

@@ -332,8 +332,10 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) 
         where += f" ({len(narrow)} narrow weights up to {max(s.amx_rows for s in narrow)} rows)"
     if dtype == torch.float32 and on_amx and any(s.amx_rows == sys.maxsize for s in kernels):
         where += "; larger fp32 matmuls of the GGUF codes on AMX tiles from exact bf16 pieces of x"
-    if any(isinstance(m, MLP) and m.silu_mul is not None for m in model.modules()):
-        where += "; prefill gate_up with SiLU-and-mul in its epilogue, on AMX tiles"
+    fused_gate_up = [m.silu_mul for m in model.modules() if isinstance(m, MLP) and m.silu_mul is not None]
+    if fused_gate_up:
+        fused_mib = sum(f.nbytes for f in fused_gate_up) / 2**20
+        where += f"; prefill gate_up with SiLU-and-mul in its epilogue, on AMX tiles ({fused_mib:.0f} MiB more)"
     logger.info(
         "small-batch linear kernel for matmuls of <= %d rows (decode steps)%s: %.0f MiB of weights packed for it",
         rows,

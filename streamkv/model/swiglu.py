@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS
+
 if TYPE_CHECKING:
     from streamkv.model.gguf_codes import GGUFCodes
 
@@ -38,7 +40,7 @@ INTERLEAVE = 16
 TILE_K = 32
 # Fewest rows sent to the fused kernel: a decode step's rows (up to SMALL_LINEAR_MAX_ROWS) keep the small-batch
 # kernel and silu_and_mul, which the fused op's bits equal.
-SILU_MUL_MIN_ROWS = 129
+SILU_MUL_MIN_ROWS = SMALL_LINEAR_MAX_ROWS[torch.bfloat16] + 1
 
 
 def interleave_gate_up(intermediate: int) -> np.ndarray:

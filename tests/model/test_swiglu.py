@@ -84,7 +84,7 @@ def amx_on() -> Iterator[None]:
 @pytest.mark.usefixtures("amx_on")
 @pytest.mark.parametrize("kind", ["dense", "q4_1", "q8_0"])
 @pytest.mark.parametrize("intermediate, k", [(16, 32), (48, 96), (1536, 576)])
-@pytest.mark.parametrize("rows", [1, 15, 17, 33, 129, 300])
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 128, 129, 256, 300])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_bitwise_silu_and_mul_of_the_unfused_matmul(
     kind: str, intermediate: int, k: int, rows: int, with_bias: bool
@@ -100,28 +100,35 @@ def test_bitwise_silu_and_mul_of_the_unfused_matmul(
 
 @NO_AMX
 @pytest.mark.usefixtures("amx_on")
-@pytest.mark.parametrize("kind", ["dense", "q4_1"])
+@pytest.mark.parametrize("kind", ["dense", "q4_1", "q8_0"])
 def test_special_values_strided_rows_and_one_thread_over_many_chunks(kind: str) -> None:
-    intermediate, k, rows = 1536, 576, 161  # 96 pairs of 36 KB panels: 4 chunks of 1 MB on one thread
+    intermediate, k, rows = 1536, 576, 176  # 96 pairs of 36 KB panels: 4 chunks of 1 MB on one thread; 32-row passes
     plain, interleaved = packs(kind, intermediate, k, seed=3)
     g = torch.Generator().manual_seed(4)
     big = torch.randn(rows, k + 64, generator=g).bfloat16()
     x = big[:, 32 : 32 + k]  # rows 2 * (k + 64) bytes apart
     x[3] = float("nan")  # one row of NaN: only its outputs are NaN
-    x[5] *= 1e30  # gate and up past bf16's range: silu(+-inf) and inf * 0
-    x[7] = -0.0  # every product -0 or 0: the sign of the sums' zeros
-    x[9, ::2] = 0.0
+    x[5] = 3e38  # sums past fp32's range: gate and up +-inf, silu(-inf) * inf
+    x[7] = 0.0  # every output silu(bias_g) * bias_u
+    bias = torch.randn(2 * intermediate, generator=g)
+    bias[[0, 40, 70]] = torch.tensor([float("inf"), float("-inf"), float("nan")])  # gate columns 0, 40 and 70
+    bias[intermediate + 1] = -0.0
+    order = torch.from_numpy(interleave_gate_up(intermediate))
     out = torch.full((rows, intermediate + 40), 7.0, dtype=torch.bfloat16)
     act = out[:, 8 : 8 + intermediate]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ops.small_linear_silu_mul(act, x, interleaved, None)
+        ops.small_linear_silu_mul(act, x, interleaved, bias[order])
     finally:
         torch.set_num_threads(threads)
-    want = unfused(x.contiguous(), plain, intermediate, None)
+    want = unfused(x.contiguous(), plain, intermediate, bias)
     assert_same_bits(act, want)
-    assert act[3].isnan().all() and not act[:3].isnan().any()
+    assert act[3].isnan().all()  # the NaN row, and elsewhere only the columns of the NaN and -inf biases
+    nan_columns = set(act[[0, 1, 2, 4, 6]].isnan().any(dim=0).nonzero().flatten().tolist())
+    assert 70 in nan_columns and nan_columns <= {40, 70}
+    assert not torch.isfinite(act[5]).any()  # the overflow row: every output inf or NaN (inf - inf in the sums)
+    assert act[7, 0].isinf()  # silu(inf) * u
     assert (out[:, :8] == 7).all() and (out[:, 8 + intermediate :] == 7).all()  # nothing outside act is written
 
 
@@ -147,6 +154,13 @@ def test_bad_arguments_raise() -> None:
         ops.small_linear_silu_mul(act, x, ops.pack_small_linear(torch.randn(96, 96)), None)
     with pytest.raises(RuntimeError, match="must come from"):
         ops.small_linear_silu_mul(act, torch.randn(4, 64).bfloat16(), interleaved, None)  # packed for K = 96
+    codes = random_codes("q4_1", 96, 96)
+    with pytest.raises(RuntimeError, match="must come from"):
+        ops.small_linear_silu_mul(act, x, codes.pack(ops, bf16=False), None)  # the float32 x layout
+    with pytest.raises(RuntimeError, match="must come from"):
+        ops.small_linear_silu_mul(act, torch.randn(4, 64).bfloat16(), codes.pack(ops, bf16=True), None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.small_linear_silu_mul(act, x, interleaved, torch.zeros(48))
 
 
 def test_pack_declines_what_the_kernel_cannot_take() -> None:

@@ -1860,14 +1860,17 @@ bool small_linear_silu_mul_supported() {
 void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(small_linear_silu_mul_supported(), "small_linear_silu_mul needs AMX-BF16 tiles, switched on");
+#if defined(STREAMKV_AMX)  // the code layouts' constants exist on AVX512-BF16 builds only; the check above raised
+  TORCH_CHECK(x.is_cpu() && act.is_cpu() && packed.is_cpu() && (!bias.has_value() || bias->is_cpu()),
+              "small_linear_silu_mul takes CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && act.scalar_type() == at::kBFloat16, "x and act must be bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && act.dim() == 2 && act.stride(1) == 1 && act.size(0) == x.size(0),
               "x and act must be [M, K] and [M, I] with unit last strides");
   const int64_t i = act.size(1), k = x.size(1), n = 2 * i;
   TORCH_CHECK(i > 0 && i % LANES == 0 && k > 0 && k % 32 == 0,
               "small_linear_silu_mul needs I a multiple of 16 and K of 32, got I = ", i, ", K = ", k);
-  TORCH_CHECK(packed.is_contiguous() && packed.size(0) == n / (2 * LANES), "packed has ", packed.size(0) * 2 * LANES,
-              " rows for 2I = ", n);
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() >= 1 && packed.size(0) == n / (2 * LANES), "packed has ",
+              packed.dim() >= 1 ? packed.size(0) * 2 * LANES : 0, " rows for 2I = ", n);
   const bool dense = packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(1) == k / 2 &&
                      packed.size(2) == 4 * LANES;
   const bool codes = packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(1) * 32 == k &&
@@ -1876,7 +1879,6 @@ void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor
               "packed must come from pack_small_linear (bfloat16) or pack_small_linear_q4_1 / _q8_0 with bf16=True, "
               "for K = ", k);
   const at::Tensor b32 = bias_f32(bias, n);
-#if defined(STREAMKV_AMX)
   run_silu_mul(act, x, packed, b32.defined() ? b32.data_ptr<float>() : nullptr);
 #endif
 }
@@ -1908,7 +1910,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_silu_mul_supported", &small_linear_silu_mul_supported,
         "whether small_linear_silu_mul runs in this process (AMX-BF16, switched on)");
   m.def("small_linear_silu_mul", &small_linear_silu_mul,
-        "act = silu(x W_gate^T) * (x W_up^T) in bf16, W = gate_up with rows interleaved 16 at a time, packed",
+        "act = silu(x W_gate^T + b_gate) * (x W_up^T + b_up) in bf16, W = gate_up with rows interleaved 16 at a "
+        "time, packed, and the bias [2I] in the same order",
         py::arg("act"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("pack_small_linear_int8", &pack_small_linear_int8, "pack an int8 [N, K] weight for small_linear_int8");
   m.def("small_linear_int8", &small_linear_int8,
