@@ -29,15 +29,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS
+from streamkv.model.linear import AMX_TILE_K, SMALL_LINEAR_MAX_ROWS, has_gguf_kernel
 
 if TYPE_CHECKING:
     from streamkv.model.gguf_codes import GGUFCodes
 
 # gate_up rows per group of the interleaved order: one AMX column block (small_linear.cpp's LANES).
 INTERLEAVE = 16
-# K must fill whole tile steps of 32 bf16 (small_linear.cpp's AMX_K).
-TILE_K = 32
 # Fewest rows sent to the fused kernel: a decode step's rows (up to SMALL_LINEAR_MAX_ROWS) keep the small-batch
 # kernel and silu_and_mul, which the fused op's bits equal.
 SILU_MUL_MIN_ROWS = SMALL_LINEAR_MAX_ROWS[torch.bfloat16] + 1
@@ -85,25 +83,20 @@ class GateUpSiluMul:
         """Pack a bf16 ``[gate; up]`` weight ``[2 I, K]`` (or the GGUF ``codes`` that give it bitwise).
 
         Returns:
-            None where the fused kernel cannot take it: ``ops`` without the op, a weight that is not bfloat16,
-            ``I`` not a multiple of 16 or ``K`` not of 32.
+            None where the fused kernel cannot take it: a weight that is not bfloat16, ``I`` not a multiple of 16
+            or ``K`` not of ``AMX_TILE_K``.
         """
-        intermediate, k = weight.shape[0] // 2, weight.shape[1]
-        usable = (
-            hasattr(ops, "small_linear_silu_mul")
-            and weight.dtype == torch.bfloat16
-            and weight.shape[0] % (2 * INTERLEAVE) == 0
-            and k % TILE_K == 0
-        )
-        if not usable:
+        rows, k = weight.shape
+        if weight.dtype != torch.bfloat16 or rows % (2 * INTERLEAVE) or k % AMX_TILE_K:
             return None
-        order = interleave_gate_up(intermediate)
-        if codes is not None and ops.small_linear_gguf_bf16_supported():
+        order = interleave_gate_up(rows // 2)
+        index = torch.from_numpy(order)
+        if codes is not None and has_gguf_kernel(ops, torch.bfloat16):
             packed = codes.rows(order).pack(ops, bf16=True)
         else:
-            packed = ops.pack_small_linear(weight.detach()[torch.from_numpy(order)].contiguous())
-        b = None if bias is None else bias.detach().float()[torch.from_numpy(order)].contiguous()
-        return cls(ops, packed, intermediate, b)
+            packed = ops.pack_small_linear(weight.detach()[index].contiguous())
+        b = None if bias is None else bias.detach().float()[index].contiguous()
+        return cls(ops, packed, rows // 2, b)
 
     def takes(self, rows: int) -> bool:
         """Whether ``rows`` rows run fused: prefill-sized, while the AMX kernel runs in this process."""

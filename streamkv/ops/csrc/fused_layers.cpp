@@ -203,8 +203,9 @@ void silu_and_mul_bf16(at::Tensor& out, const at::Tensor& gate_up) {
       int64_t i = 0;
 #if defined(__AVX512F__)
       for (; i + 16 <= n; i += 16) {
-        const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i)));
-        store16(dst + i, _mm512_mul_ps(_mm512_i32gather_ps(bits, table, 4), load16(u + i)));
+        const auto* gv = reinterpret_cast<const __m256i*>(g + i);
+        const auto* uv = reinterpret_cast<const __m256i*>(u + i);
+        store16(dst + i, streamkv::silu_mul16(_mm256_loadu_si256(gv), _mm256_loadu_si256(uv), table));
       }
 #elif defined(STREAMKV_AVX2)
       for (; i + 8 <= n; i += 8) {

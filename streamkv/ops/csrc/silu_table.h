@@ -4,6 +4,12 @@
 
 #include <torch/extension.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "simd_math.h"
+#endif
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -26,5 +32,14 @@ inline const float* bf16_silu_table() {
   }();
   return table;
 }
+
+#if defined(__AVX512F__)
+// silu(gate) * up in fp32 for 16 bf16 gates and ups (their bits), the SiLU from bf16_silu_table(): the product
+// both silu_and_mul_bf16 (fused_layers.cpp) and the fused gate_up's epilogue (small_linear.cpp) round to bf16, so
+// their bits are the same by construction.
+inline __m512 silu_mul16(__m256i gate, __m256i up, const float* table) {
+  return _mm512_mul_ps(_mm512_i32gather_ps(_mm512_cvtepu16_epi32(gate), table, 4), bf16_widen16(up));
+}
+#endif
 
 }  // namespace streamkv

@@ -776,7 +776,7 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 // of up), so a pass's 32 columns are 16 gate columns and their 16 up columns, and act [M, I] comes straight out of
 // the pass: the [M, 2I] gate_up (25 MB at 4,096 rows of SmolLM2) no longer goes to memory for silu_and_mul to read
 // back. g and u are rounded to bf16 with the bias as store_pass rounds them, and act = bf16(silu(g) * u) is
-// silu_and_mul_bf16's product (fused_layers.cpp: the same table, the same rounding), so act is bitwise
+// silu_and_mul_bf16's product (fused_layers.cpp: both round silu_table.h's silu_mul16), so act is bitwise
 // silu_and_mul(small_linear(x)) on the same weight, whatever the batch.
 inline void store_silu_mul_pass(const float* c, int64_t r_begin, int64_t r_end, int64_t pair, const float* bias,
                                 const float* table, at::BFloat16* act, int64_t act_stride, int64_t r0) {
@@ -785,9 +785,8 @@ inline void store_silu_mul_pass(const float* c, int64_t r_begin, int64_t r_end, 
   for (int64_t r = r_begin; r < r_end; ++r) {
     const __m256i g = bf16_round16(_mm512_add_ps(_mm512_load_ps(c + r * 32), bg));
     const __m256i u = bf16_round16(_mm512_add_ps(_mm512_load_ps(c + r * 32 + LANES), bu));
-    const __m512 silu = _mm512_i32gather_ps(_mm512_cvtepu16_epi32(g), table, 4);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + (r0 + r) * act_stride + pair * LANES),
-                        bf16_round16(_mm512_mul_ps(silu, bf16_widen16(u))));
+                        bf16_round16(streamkv::silu_mul16(g, u, table)));
   }
 }
 
