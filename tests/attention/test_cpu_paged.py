@@ -145,6 +145,17 @@ def amx_kernels(on: bool) -> Iterator[None]:
         cpu_ops.set_amx(before)
 
 
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's thread count (the C++ ops' too) set to ``n`` for the ``with`` block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 INT8_DECODE_TOL = 3e-4  # fp32 queries on the VNNI int8 decode kernel (int16 query and weights), against torch
 
 
@@ -220,20 +231,27 @@ def test_decode_every_query_group_size(
 
 
 @pytest.mark.parametrize(
-    "kv_dtype, q_dtype",
+    "kv_dtype, q_dtype, amx",
     [
-        (torch.float32, torch.float32),
-        (torch.bfloat16, torch.float32),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.int8, torch.float32),
-        (torch.int8, torch.bfloat16),
+        (torch.float32, torch.float32, False),
+        (torch.bfloat16, torch.float32, False),
+        (torch.bfloat16, torch.bfloat16, False),
+        (torch.bfloat16, torch.bfloat16, True),  # pass 1 on AMX tiles
+        (torch.int8, torch.float32, False),
+        (torch.int8, torch.bfloat16, False),
     ],
 )
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (4, 2), (8, 2), (8, 1), (12, 12)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_of_a_batch_equals_each_sequence_alone(
-    kv_dtype: torch.dtype, q_dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, block_size: int
+    kv_dtype: torch.dtype,
+    q_dtype: torch.dtype,
+    amx: bool,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
 ) -> None:
     # The AVX2 kernel, the AVX-512 bf16 kernel under a bf16 query and the VNNI int8 kernel (block sizes 16 and 32)
     # give a task a whole sequence (all its KV heads) when the batch has 2 tasks a thread, and one KV head
@@ -258,17 +276,13 @@ def test_decode_of_a_batch_equals_each_sequence_alone(
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     ops = cpu_paged.load_cpu_ops()
     batch = torch.empty_like(query)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)  # the batch splits by sequence, a sequence alone by KV head
+    with amx_kernels(amx), torch_threads(2):  # the batch splits by sequence, a sequence alone by KV head
         ops.paged_decode(batch, query, cache, tables, lens, head_dim**-0.5)
         assert not batch.isnan().any()
         for b in range(len(seq_lens)):
             alone = torch.empty_like(query[b : b + 1])
             ops.paged_decode(alone, query[b : b + 1], cache, tables[b : b + 1], lens[b : b + 1], head_dim**-0.5)
             assert torch.equal(alone, batch[b : b + 1]), f"sequence {b} (length {seq_lens[b]})"
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
@@ -284,8 +298,12 @@ def test_decode_of_a_batch_equals_each_sequence_alone(
         [1, 2, 1, 2, 1, 2, 1, 2, 1],
     ],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_decode_is_the_same_on_any_number_of_threads(seq_lens: list[int], threads: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    "dtype, amx", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.int8, False)]
+)
+def test_decode_is_the_same_on_any_number_of_threads(
+    seq_lens: list[int], threads: int, dtype: torch.dtype, amx: bool
+) -> None:
     # The threads split the tasks by their tokens, not their count: every task must still run exactly once
     # (out starts NaN, so a task left out shows) and give the same bits whichever thread runs it. The thread
     # count also decides whether a task has one KV head or all of them (bf16, int8 on AVX-512 VNNI, or fp32 on
@@ -301,16 +319,13 @@ def test_decode_is_the_same_on_any_number_of_threads(seq_lens: list[int], thread
     query = torch.randn(len(seq_lens), 9, 64, generator=gen).to(torch.bfloat16 if dtype == torch.int8 else dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     ops = cpu_paged.load_cpu_ops()
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = torch.full_like(query, float("nan"))
-        ops.paged_decode(one, query, cache, tables, lens, 0.125)
-        torch.set_num_threads(threads)
-        out = torch.full_like(query, float("nan"))
-        ops.paged_decode(out, query, cache, tables, lens, 0.125)
-    finally:
-        torch.set_num_threads(before)
+    with amx_kernels(amx):
+        with torch_threads(1):
+            one = torch.full_like(query, float("nan"))
+            ops.paged_decode(one, query, cache, tables, lens, 0.125)
+        with torch_threads(threads):
+            out = torch.full_like(query, float("nan"))
+            ops.paged_decode(out, query, cache, tables, lens, 0.125)
     assert not one.isnan().any()
     assert torch.equal(out, one)
 
@@ -464,6 +479,35 @@ def test_amx_prefill_runs_its_own_kernel() -> None:
     assert not torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.skipif(not AMX_PREFILL, reason=NEEDS_AMX)
+@pytest.mark.parametrize("batch", [1, 8])  # one task per KV head; one per sequence
+def test_amx_decode_runs_its_own_kernel(batch: int) -> None:
+    # On random rows the two kernels rarely differ in a bf16 output bit, so these keys make the order of q . k's
+    # sum show: dims 0 and 32 hold 2^30 and -2^30, dim 2 holds p % 7, the query is all ones. vdpbf16ps keeps dims
+    # 0 and 32 in one lane and dim 2 in another, so the lanes' sum is p % 7; the tiles add the dim pairs in order,
+    # so 2^30 swallows p % 7 before -2^30 cancels it, every score is 0 and the output is the mean of V.
+    length = 40
+    cache = torch.zeros(2, 3 * batch, 16, 3, 64)
+    tables = torch.arange(3 * batch, dtype=torch.int32).view(batch, 3)
+    slots = tables[:, torch.arange(length) // 16].long() * 16 + torch.arange(length) % 16  # [batch, length]
+    rows = cache.view(2, -1, 3, 64)
+    rows[0, :, :, 0], rows[0, :, :, 32] = 2.0**30, -(2.0**30)
+    rows[0, slots, :, 2] = (torch.arange(length) % 7).float()[:, None]
+    rows[1, slots] = (torch.arange(length) % 5).float()[:, None, None]
+    cache = cache.to(torch.bfloat16)
+    query = torch.ones(batch, 9, 64, dtype=torch.bfloat16)
+    lens = torch.full((batch,), length, dtype=torch.int32)
+    ops = cpu_paged.load_cpu_ops()
+    outs = []
+    for amx in (True, False):
+        with amx_kernels(amx), torch_threads(2):
+            out = torch.empty_like(query)
+            ops.paged_decode(out, query, cache, tables, lens, 0.125)
+            outs.append(out)
+    assert torch.equal(outs[0], torch.full_like(query, 2.0))  # the mean of p % 5 over 40 keys
+    assert float(outs[1].float().min()) > 2.0  # weighted towards the keys with the largest p % 7
+
+
 def test_prefill_op_rejects_bad_inputs_clearly() -> None:
     ops = cpu_paged.load_cpu_ops()
     kv = torch.zeros(2, 4, 4, 1, 8)
@@ -517,17 +561,20 @@ def test_bf16_prefill_error_no_worse_than_the_torch_bf16_path(amx: bool) -> None
     assert float(our_err.max()) <= 1.5 * float(torch_err.max())
 
 
-@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 5), (128, 5), (64, 1)])
-def test_bf16_decode_error_no_worse_than_the_torch_bf16_path(head_dim: int, block_size: int) -> None:
-    # The decode op's bf16 variant (vdpbf16ps in both products, softmax weights rounded to bf16): odd and even
-    # context lengths (the last token pairs with a zero row), a block size that splits token pairs.
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 5), (128, 5), (64, 1), (64, 32)])
+def test_bf16_decode_error_no_worse_than_the_torch_bf16_path(head_dim: int, block_size: int, amx: bool) -> None:
+    # The decode op's bf16 variant (vdpbf16ps in both products, or q . k on AMX tiles where a block holds whole
+    # runs of 16 keys; softmax weights rounded to bf16): odd and even context lengths (the last token pairs with a
+    # zero row), a block size that splits token pairs.
     seq_lens = [1, 2, 17, 333, 700, 64, 31]
     step = ([1] * len(seq_lens), seq_lens, 9, 3, head_dim, block_size)
     ref, _ = run_step("float32", TorchPagedAttention(), *step, seed=6)
     torch_err = (
         run_step("bfloat16", TorchPagedAttention(), *step, dtype=torch.bfloat16, seed=6)[0].float() - ref
     ).abs()
-    ours = run_step("bfloat16", cpu_paged.CpuPagedAttention(), *step, dtype=torch.bfloat16, seed=6)[0]
+    with amx_kernels(amx):
+        ours = run_step("bfloat16", cpu_paged.CpuPagedAttention(), *step, dtype=torch.bfloat16, seed=6)[0]
     assert not ours.isnan().any()
     our_err = (ours.float() - ref).abs()
     assert float(our_err.mean()) <= 1.2 * float(torch_err.mean())

@@ -1,6 +1,6 @@
 // Intel AMX (Advanced Matrix Extensions: 8 tile registers of up to 16 rows x 64 bytes, tdpbf16ps) for the
-// kernels that use it: small_linear.cpp's bf16 and int8 matmuls and fp32 prefill matmuls on GGUF codes, and
-// paged_prefill.cpp's bf16 attention.
+// kernels that use it: small_linear.cpp's bf16 and int8 matmuls and fp32 prefill matmuls on GGUF codes,
+// paged_prefill.cpp's bf16 attention, and pass 1 (q . k) of paged_attention.cpp's bf16 decode.
 //
 // STREAMKV_AMX is defined on a -march=native build for a CPU with AMX-BF16 (Sapphire Rapids and later). Even
 // there a process may use the tiles only after asking Linux for their state (arch_prctl(ARCH_REQ_XCOMP_PERM,

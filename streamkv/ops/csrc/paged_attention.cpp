@@ -9,6 +9,8 @@
 // Two passes over the context (scores, then the weighted sum of V) keep the
 // scores of one task in a thread-local float buffer; for this engine's
 // contexts (<= a few thousand tokens) that buffer stays in L2.
+// bf16 queries on bf16 KV take pass 1 on AMX tiles where the extension's AMX
+// switch is on (amx_score_run16), both bf16 kernels alike.
 //
 //   kv_cache [2, num_blocks, block_size, Hkv, R]   (contiguous)
 //     fp32 / bf16:   R = D, the row is the values
@@ -761,6 +763,62 @@ inline __m512 score_run16(const __m512i* q, const at::BFloat16* first, int64_t s
   return _mm512_mul_ps(reduce16(part), scale16);
 }
 
+#if defined(STREAMKV_AMX)
+// Pass 1 of the bf16 kernels on AMX tiles (tdpbf16ps), when the extension's AMX switch is on and a block holds
+// whole runs of 16 keys: one KV head's G query heads against 16 keys of one block at once, where score_run16 takes
+// one query head and reduces 16 partial vectors across lanes. Tiles (16 rows x 64 bytes):
+//   0  C [16 keys][16 query heads] fp32 (columns past G stay 0)
+//   1  A: the 16 keys' rows, 32 dims each, read in place from the pool (row stride: one slot)
+//   2  B: the same 32 dims of the G query vectors as dword columns (amx_query_tiles)
+// C[k][g] is the sum over dim pairs of exact bf16 products in fp32, like vdpbf16ps; the scale goes on after, as in
+// score_run16. Every bf16 decode path of a process computes a head's scores this way while the switch is on (both
+// kernels below, any batch, any thread count), so a sequence's output still does not depend on its batch. Rows of
+// a run past its last key (the unwritten tail of the last block, NaN in a poisoned pool) give scores past `len`,
+// which the softmax never reads.
+constexpr int64_t kAmxQueryTile = 16 * 16;  // int32 words of one B tile
+
+// amx_on() for this decode call's layout: runs of 16 keys never leave a block, and a tile's 16 columns hold the group.
+inline bool amx_decode(int64_t block_size, int64_t group) {
+  return block_size % 16 == 0 && group >= 1 && group <= 16 && amx_on();
+}
+
+// The tile configuration of amx_score_run16 (tiles 0-2: 16 rows x 64 bytes), loaded by each thread that runs it.
+inline void amx_decode_config() {
+  TileConfig cfg;
+  for (int i = 0; i < 3; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// B tiles of one KV head's query vectors (query head g at q + g * q_stride_h, W * 32 dims each): tile t row r
+// column g = g's dims (32t + 2r, 32t + 2r + 1) as one dword; columns past the group are zero.
+template <int W>
+inline void amx_query_tiles(const at::BFloat16* q, int64_t q_stride_h, int64_t group, int32_t* tiles) {
+  std::fill(tiles, tiles + W * kAmxQueryTile, 0);
+  for (int64_t g = 0; g < group; ++g) {
+    const int32_t* src = reinterpret_cast<const int32_t*>(q + g * q_stride_h);
+    for (int t = 0; t < W; ++t)
+      for (int r = 0; r < 16; ++r) tiles[t * kAmxQueryTile + r * 16 + g] = src[16 * t + r];
+  }
+}
+
+// scores[g * stride + k] = (q_g . k_k) * scale for g < group, k < 16: the 16 keys whose rows start at `first`
+// (`slot` elements apart), the query tiles of amx_query_tiles; `c` is 1 KiB of scratch (64-byte aligned).
+template <int W>
+inline void amx_score_run16(const int32_t* qtiles, const at::BFloat16* first, int64_t slot, int64_t group,
+                            __m512 scale16, float* scores, int64_t stride, float* c) {
+  _tile_zero(0);
+  for (int t = 0; t < W; ++t) {
+    _tile_loadd(1, first + 32 * t, slot * 2);
+    _tile_loadd(2, qtiles + t * kAmxQueryTile, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, c, 64);
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int64_t g = 0; g < group; ++g)
+    _mm512_storeu_ps(scores + g * stride, _mm512_mul_ps(_mm512_i32gather_ps(column, c + g, 4), scale16));
+}
+#endif
+
 // The softmax of one query head's scores s[0, len) in fp32, the weights rounded to bf16 and written as pairs of
 // tokens (2i, 2i + 1) (a zero weight pads an odd count); returns 1 / the sum of the rounded weights (inf for len 0).
 inline float softmax_bf16_pairs(const float* s, int64_t len, int32_t* pairs) {
@@ -799,11 +857,11 @@ __attribute__((always_inline)) inline void accumulate_pair(__m512* acc, int64_t 
 
 // decode_avx512_bf16 with one task per sequence, all of its KV heads (a batch of kTasksPerThread sequences a thread
 // or more, an even block size, a constant query group G). Each head's arithmetic is decode_avx512_bf16's to the
-// bit (score_run16, softmax_bf16_pairs, the same token pairs in the same order), so a sequence's output does not
-// depend on which split its batch takes. What changes is the walk over the pool: a task reads each block's span
-// of every head (block_size x Hkv rows, one contiguous stretch) head after head while it is in L1, and asks for
-// the next block's span a few lines at each key or token pair (asking two blocks ahead timed the same), where one
-// task per KV head reads 1 row in Hkv and comes back for the others. Pass 2's sums are parked in `acc` between
+// bit (score_run16 or amx_score_run16, softmax_bf16_pairs, the same token pairs in the same order), so a sequence's
+// output does not depend on which split its batch takes. What changes is the walk over the pool: a task reads each
+// block's span of every head (block_size x Hkv rows, one contiguous stretch) head after head while it is in L1, and
+// asks for the next block's span a few lines at each key or token pair (asking two blocks ahead timed the same),
+// where one task per KV head reads 1 row in Hkv and comes back for the others. Pass 2's sums are parked in `acc` between
 // blocks (reloaded with their bits). 30 layers' pools from memory, 2 threads, against one task per KV head:
 // 4 x 4,000 tokens 21.4 -> 18.3 ms, 8 x 2,000 19.3 -> 17.4, 32 x 192 4.1 -> 3.8-4.1, 64 x 192 and 64 x 1,100
 // 2-5% slower or level (docs/benchmarks.md, "Round 18").
@@ -814,6 +872,9 @@ void decode_avx512_bf16_seqs(const DecodeView<at::BFloat16, at::BFloat16>& view,
   const auto cost = [lens = view.len_ptr, heads = view.num_kv_heads](int64_t b) {
     return std::max<int64_t>(lens[b], 0) * heads + kTaskCostTokens;
   };
+#if defined(STREAMKV_AMX)
+  const bool amx = amx_decode(view.block_size, G);
+#endif
   parallel_for_by_cost(view.num_seqs, cost, [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
     const int64_t heads = d.num_kv_heads, rows = heads * G, pairs_stride = d.padded_len / 2;
@@ -821,6 +882,11 @@ void decode_avx512_bf16_seqs(const DecodeView<at::BFloat16, at::BFloat16>& view,
     std::vector<__m512> acc(rows * C);
     std::vector<float> inv_sum(rows), scores(rows * d.padded_len);
     std::vector<int32_t> weights(rows * pairs_stride);  // bf16 weight pairs of tokens (2i, 2i + 1)
+#if defined(STREAMKV_AMX)
+    std::vector<int32_t> qt(amx ? heads * W * kAmxQueryTile : 0);  // each head's query tiles
+    alignas(64) float ctile[256];
+    if (amx) amx_decode_config();
+#endif
     const int64_t span_lines = (d.block_stride * static_cast<int64_t>(sizeof(bf16)) + 63) / 64;
     // Lines of the next span asked for at each key of pass 1 / token pair of pass 2: the whole span by the end.
     const int64_t key_lines = (span_lines + heads * d.block_size - 1) / (heads * d.block_size);
@@ -844,6 +910,12 @@ void decode_avx512_bf16_seqs(const DecodeView<at::BFloat16, at::BFloat16>& view,
         const bf16* src = d.q_ptr + b * d.q_stride_s + r * d.q_stride_h;  // query head r = h * G + g
         for (int w = 0; w < W; ++w) q[r * W + w] = _mm512_loadu_si512(src + 32 * w);
       }
+#if defined(STREAMKV_AMX)
+      if (amx)
+        for (int64_t h = 0; h < heads; ++h)
+          amx_query_tiles<W>(d.q_ptr + b * d.q_stride_s + h * G * d.q_stride_h, d.q_stride_h, G,
+                             &qt[h * W * kAmxQueryTile]);
+#endif
       // Pass 1: scores[h * G + g, p] = (q_hg . k_hp) * scale, block by block, every head, runs of up to 16 keys.
       for (int64_t j = 0; j < num_blocks; ++j) {
         const bf16* base = span(j, 0);
@@ -853,6 +925,14 @@ void decode_avx512_bf16_seqs(const DecodeView<at::BFloat16, at::BFloat16>& view,
         for (int64_t h = 0; h < heads; ++h) {
           for (int64_t k0 = 0; k0 < block_len; k0 += 16) {
             const int64_t n = std::min<int64_t>(16, block_len - k0), p0 = j * d.block_size + k0;
+#if defined(STREAMKV_AMX)
+            if (amx) {
+              for (int64_t k = 0; k < n; ++k) ask(next, step++, key_lines);
+              amx_score_run16<W>(&qt[h * W * kAmxQueryTile], base + k0 * d.slot_stride + h * d.row, d.slot_stride, G,
+                                 scale16, &scores[h * G * d.padded_len + p0], d.padded_len, ctile);
+              continue;
+            }
+#endif
             for (int g = 0; g < G; ++g)
               _mm512_storeu_ps(&scores[(h * G + g) * d.padded_len + p0],
                                score_run16<W>(&q[(h * G + g) * W], base + k0 * d.slot_stride + h * d.row,
@@ -893,6 +973,9 @@ void decode_avx512_bf16_seqs(const DecodeView<at::BFloat16, at::BFloat16>& view,
         store_deinterleaved<W>(d.o_ptr + b * d.o_stride_s + r * d.o_stride_h, o);
       }
     }
+#if defined(STREAMKV_AMX)
+    if (amx) _tile_release();
+#endif
   });
 }
 
@@ -920,11 +1003,19 @@ void decode_avx512_bf16(
       return decode_avx512_bf16_seqs<C, G>(view, scale16);
   }
 
+#if defined(STREAMKV_AMX)
+  const bool amx = amx_decode(view.block_size, view.group);
+#endif
   parallel_for_by_cost(view.num_seqs * view.num_kv_heads, seq_head_cost(view.len_ptr, view.num_kv_heads),
                        [&](int64_t begin, int64_t end) {
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
     RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
     const int64_t group = G > 0 ? G : d.group;
+#if defined(STREAMKV_AMX)
+    alignas(64) int32_t qt[W * kAmxQueryTile];
+    alignas(64) float ctile[256];
+    if (amx) amx_decode_config();
+#endif
     HeadVectors<__m512i, G * W> q(group * W);
     HeadVectors<__m512, G * C> acc(group * C);
     HeadVectors<float, G> inv_sum(group);
@@ -941,8 +1032,19 @@ void decode_avx512_bf16(
         for (int w = 0; w < W; ++w) q[g * W + w] = _mm512_loadu_si512(src + 32 * w);
         for (int c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
       }
+#if defined(STREAMKV_AMX)
+      if (amx) amx_query_tiles<W>(d.q_ptr + b * d.q_stride_s + h * d.group * d.q_stride_h, d.q_stride_h, group, qt);
+#endif
       // Pass 1: scores[g, p] = (q_g . k_p) * scale, up to 16 keys of a block at a time.
       for_each_key_run(d, block_row, num_blocks, len, [&](const bf16* base, int64_t k0, int64_t n, int64_t p0) {
+#if defined(STREAMKV_AMX)
+        if (amx) {
+          for (int64_t k = 0; k < n; ++k) ahead.step();
+          amx_score_run16<W>(qt, base + k0 * d.slot_stride, d.slot_stride, group, scale16, &scores[p0], d.padded_len,
+                             ctile);
+          return;
+        }
+#endif
         for (int64_t g = 0; g < group; ++g)
           _mm512_storeu_ps(&scores[g * d.padded_len + p0],
                            score_run16<W>(&q[g * W], base + k0 * d.slot_stride, d.slot_stride, n, scale16, [&](int) {
@@ -967,6 +1069,9 @@ void decode_avx512_bf16(
         store_deinterleaved<W>(d.o_ptr + b * d.o_stride_s + (h * d.group + g) * d.o_stride_h, o);
       }
     }
+#if defined(STREAMKV_AMX)
+    if (amx) _tile_release();
+#endif
   });
 }
 #endif
