@@ -891,11 +891,15 @@ void decode_avx512_bf16_seqs(const DecodeView<at::BFloat16, at::BFloat16>& view,
     // Lines of the next span asked for at each key of pass 1 / token pair of pass 2: the whole span by the end.
     const int64_t key_lines = (span_lines + heads * d.block_size - 1) / (heads * d.block_size);
     const int64_t pair_lines = (2 * span_lines + heads * d.block_size - 1) / (heads * d.block_size);
+    // Into L2 (prefetcht2), not L1: a prefetcht0 holds one of the core's few L1 miss buffers until its line
+    // arrives, and the pass stalled at the prefetches (perf: a third of its samples); 30 layers' pools from memory,
+    // 2 threads: B=64 x 1,100 tokens 99.7 -> 95.0 ms, 64 x 192 16.6 -> 16.0, 32 x 400 18.1 -> 16.4
+    // (docs/benchmarks.md, "Round 34").
     auto ask = [span_lines](const bf16* span, int64_t step, int64_t lines) {
       if (span == nullptr) return;
       const char* p = reinterpret_cast<const char*>(span);
       for (int64_t l = step * lines; l < std::min(span_lines, (step + 1) * lines); ++l)
-        asm volatile("prefetcht0 %0" : : "m"(p[l * 64]));
+        asm volatile("prefetcht2 %0" : : "m"(p[l * 64]));
     };
     // The first span task t reads (its first K block), or none.
     auto first_span = [&](int64_t t) -> const bf16* {
