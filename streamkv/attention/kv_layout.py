@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from streamkv.config import KV_CACHE_DTYPES
+from streamkv.ops.huge_pages import advise_huge_pages
 
 SCALE_BYTES = 4  # one float32 per (token, head) row of K and of V
 
@@ -110,8 +111,15 @@ def allocate_kv_cache(
     if fmt.quantized and head_dim % SCALE_BYTES:
         raise ValueError(f"{fmt.name} KV needs head_dim divisible by {SCALE_BYTES}, not {head_dim}")
     shape = (2, num_blocks, block_size, num_kv_heads, fmt.row_width(head_dim))
-    make = torch.zeros if zeroed else torch.empty
-    return make(shape, dtype=fmt.storage, device=device, pin_memory=pin_memory)
+    if not zeroed:
+        return torch.empty(shape, dtype=fmt.storage, device=device, pin_memory=pin_memory)
+    if torch.device(device).type != "cpu" or pin_memory:
+        return torch.zeros(shape, dtype=fmt.storage, device=device, pin_memory=pin_memory)
+    # The decode kernels read blocks anywhere in the pool: on 2 MiB pages they miss the TLB far less
+    # (streamkv/ops/huge_pages.py). The advice must come before the first touch, so empty, then zero.
+    cache = torch.empty(shape, dtype=fmt.storage)
+    advise_huge_pages(cache)
+    return cache.zero_()
 
 
 def is_quantized(kv_cache: torch.Tensor) -> bool:
