@@ -1,4 +1,4 @@
-"""The KV pool on transparent huge pages: advice over whole 2 MiB pages inside the tensor; the pool stays zeros."""
+"""The KV pool on transparent huge pages: a fresh 2 MiB-aligned mapping, advised before its zeros are written."""
 
 from __future__ import annotations
 
@@ -9,43 +9,41 @@ import pytest
 import torch
 
 from streamkv.attention.kv_layout import allocate_kv_cache, resolve_kv_format
-from streamkv.ops.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages
+from streamkv.ops.huge_pages import HUGE_PAGE_BYTES, zeros_on_huge_pages
 
-LINUX = sys.platform.startswith("linux")
-
-
-@pytest.mark.skipif(not LINUX, reason="madvise(MADV_HUGEPAGE) is Linux's")
-def test_advice_covers_the_whole_huge_pages_inside_the_tensor() -> None:
-    t = torch.empty(5 * HUGE_PAGE_BYTES + 12345, dtype=torch.uint8)
-    advised = advise_huge_pages(t)
-    start, end = t.data_ptr(), t.data_ptr() + t.numel()
-    # every whole 2 MiB page between start and end, and nothing outside
-    assert advised == (end // HUGE_PAGE_BYTES - -(-start // HUGE_PAGE_BYTES)) * HUGE_PAGE_BYTES
-    assert advised >= 4 * HUGE_PAGE_BYTES
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_ON = sys.platform.startswith("linux") and THP.exists() and "[never]" not in THP.read_text()
 
 
-def test_no_advice_for_a_tensor_smaller_than_a_huge_page() -> None:
-    assert advise_huge_pages(torch.empty(1000)) == 0  # smaller than a huge page
-
-
-@pytest.mark.skipif(not LINUX, reason="madvise(MADV_HUGEPAGE) is Linux's")
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_a_large_cpu_pool_is_zeros_and_lies_on_huge_pages_where_the_kernel_gives_them(kv_dtype: str) -> None:
-    fmt = resolve_kv_format(kv_dtype, torch.bfloat16)
-    cache = allocate_kv_cache(fmt, 4096, 16, 3, 64)  # 48 MiB in bf16, 26 MiB in int8
-    assert not cache.view(torch.uint8).any()
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text():
-        pytest.skip("transparent huge pages are off on this kernel")
-    # The advised part of the pool is its own mapping (madvise split it off) from the first whole 2 MiB page on;
-    # its pages should be huge ones (AnonHugePages), unless memory was too fragmented to give a single one.
-    first = -(-cache.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    huge_kb, inside = 0, False
+def huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages (KiB) of the mapping that holds ``t``'s first byte (/proc/self/smaps)."""
+    addr, total, inside = t.data_ptr(), 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if not head.endswith(":"):  # a mapping's first line: "lo-hi perms offset dev inode [path]"
             lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= first < hi
+            inside = lo <= addr < hi
         elif inside and head == "AnonHugePages:":
-            huge_kb += int(line.split()[1])
-    assert huge_kb > 0
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_zeros_of_any_size_and_dtype(dtype: torch.dtype) -> None:
+    for shape in ((3, 5), (2, 700, 16, 3, 64), (5 * HUGE_PAGE_BYTES // 4 + 7,)):
+        t = zeros_on_huge_pages(shape, dtype)
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+        assert not t.view(torch.uint8).any()
+        t.fill_(1)  # writable, and its own memory: the next tensor is zeros again
+        assert bool((t == 1).all())
+
+
+@pytest.mark.skipif(not THP_ON, reason="transparent huge pages are off (or this is not Linux)")
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_a_cpu_pool_starts_on_a_2_mib_boundary_on_huge_pages(kv_dtype: str) -> None:
+    cache = allocate_kv_cache(resolve_kv_format(kv_dtype, torch.bfloat16), 4096, 16, 3, 64)  # 48 / 26 MiB
+    assert cache.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert not cache.view(torch.uint8).any()
+    assert huge_kib(cache) > 0
+    # the same pool from torch.zeros, for contrast, on the 4 KiB pages of glibc's heap or a plain mapping
+    assert huge_kib(torch.zeros(cache.shape, dtype=cache.dtype)) == 0

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from streamkv.config import KV_CACHE_DTYPES
-from streamkv.ops.huge_pages import advise_huge_pages
+from streamkv.ops.huge_pages import zeros_on_huge_pages
 
 SCALE_BYTES = 4  # one float32 per (token, head) row of K and of V
 
@@ -116,10 +116,8 @@ def allocate_kv_cache(
     if torch.device(device).type != "cpu" or pin_memory:
         return torch.zeros(shape, dtype=fmt.storage, device=device, pin_memory=pin_memory)
     # The decode kernels read blocks anywhere in the pool: on 2 MiB pages they miss the TLB far less
-    # (streamkv/ops/huge_pages.py). The advice must come before the first touch, so empty, then zero.
-    cache = torch.empty(shape, dtype=fmt.storage)
-    advise_huge_pages(cache)
-    return cache.zero_()
+    # (streamkv/ops/huge_pages.py).
+    return zeros_on_huge_pages(shape, fmt.storage)
 
 
 def is_quantized(kv_cache: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""Ask Linux for transparent huge pages (2 MiB) under a large CPU tensor: the KV pool.
+"""A zeroed CPU tensor on transparent huge pages (2 MiB): the KV pool.
 
 A decode step reads every sequence's blocks, which sit anywhere in a pool of
 hundreds of MiB to GiBs. On 4 KiB pages each 6 KiB block span (SmolLM2's 16
@@ -6,18 +6,22 @@ tokens x 3 KV heads x 64 dims in bf16) touches two or three pages the TLB has
 never seen, so the hardware walks the page table on the way to almost every
 block. With the pool on 2 MiB pages its translations fit the TLB.
 
-Linux gives huge pages to anonymous memory that was ``madvise(MADV_HUGEPAGE)``
-before its first touch when ``/sys/kernel/mm/transparent_hugepage/enabled`` is
-``always`` or ``madvise`` (the usual default); under ``never`` the advice is a
-no-op. :func:`advise_huge_pages` advises the 2 MiB-aligned part of a tensor's
-memory; call it on a fresh ``torch.empty`` and only then write the tensor.
-Measured in docs/benchmarks.md, "Round 34".
+Linux gives huge pages to anonymous memory advised ``MADV_HUGEPAGE`` before
+its first touch when ``/sys/kernel/mm/transparent_hugepage/enabled`` is
+``always`` or ``madvise`` (the usual default); under ``never`` the advice
+does nothing. A pool from ``torch.zeros`` may come from glibc's heap, whose
+pages the model load already touched (a CPU engine serves blocks up to
+32 MiB from the heap: ``host_malloc.py``), so :func:`zeros_on_huge_pages`
+maps fresh memory of its own, aligned to 2 MiB, advises it, and only then
+writes it. Measured in docs/benchmarks.md, "Round 34".
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 import sys
 
 import torch
@@ -25,27 +29,28 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
-MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 
 
-def advise_huge_pages(tensor: torch.Tensor) -> int:
-    """``madvise(MADV_HUGEPAGE)`` over the whole 2 MiB pages inside ``tensor``'s memory; the bytes advised.
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor of zeros, on 2 MiB pages where the kernel gives them.
 
-    Returns 0 (and changes nothing) off Linux, for a non-CPU tensor, for one
-    smaller than a huge page, or when the call fails (logged at debug level:
-    the tensor works the same on small pages).
+    The memory is an anonymous mapping of the tensor's own (kept alive by the
+    tensor), its start aligned to 2 MiB and advised ``MADV_HUGEPAGE`` before
+    the zeros are written, so every page is committed at once as
+    ``torch.zeros`` commits it. Off Linux, below 2 MiB, or when the mapping or
+    the advice fails (logged at debug level), it is ``torch.zeros``.
     """
-    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
-        return 0
-    start = tensor.data_ptr()
-    end = start + tensor.untyped_storage().nbytes()
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if last <= first:
-        return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    if libc.madvise(first, last - first, MADV_HUGEPAGE) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-        return 0
-    return last - first
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype, device="cpu")
+    try:
+        # Private: a shared anonymous mapping is shmem, which takes huge pages only under shmem_enabled.
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        offset = -base % HUGE_PAGE_BYTES  # a multiple of the 4 KiB page, as madvise wants
+        region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
+    except (OSError, ValueError) as exc:
+        logger.debug("no huge pages for a %d-byte tensor (%s); torch.zeros instead", nbytes, exc)
+        return torch.zeros(shape, dtype=dtype, device="cpu")
+    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(dtype).view(shape).zero_()  # the first touch, after the advice

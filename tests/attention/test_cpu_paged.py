@@ -481,21 +481,24 @@ def test_amx_prefill_runs_its_own_kernel() -> None:
 
 @pytest.mark.skipif(not AMX_PREFILL, reason=NEEDS_AMX)
 @pytest.mark.parametrize("batch", [1, 8])  # one task per KV head; one per sequence
-def test_amx_decode_runs_its_own_kernel(batch: int) -> None:
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (8, 1, 64)])
+def test_amx_decode_runs_its_own_kernel(batch: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     # On random rows the two kernels rarely differ in a bf16 output bit, so these keys make the order of q . k's
     # sum show: dims 0 and 32 hold 2^30 and -2^30, dim 2 holds p % 7, the query is all ones. vdpbf16ps keeps dims
     # 0 and 32 in one lane and dim 2 in another, so the lanes' sum is p % 7; the tiles add the dim pairs in order,
     # so 2^30 swallows p % 7 before -2^30 cancels it, every score is 0 and the output is the mean of V.
+    # Group 3 at head_dim 64 is a template constant of both kernels (batch 8: one task per sequence); group 4 at
+    # head_dim 128 and group 8 are a run-time bound, one task per KV head in any batch.
     length = 40
-    cache = torch.zeros(2, 3 * batch, 16, 3, 64)
+    cache = torch.zeros(2, 3 * batch, 16, num_kv_heads, head_dim)
     tables = torch.arange(3 * batch, dtype=torch.int32).view(batch, 3)
     slots = tables[:, torch.arange(length) // 16].long() * 16 + torch.arange(length) % 16  # [batch, length]
-    rows = cache.view(2, -1, 3, 64)
+    rows = cache.view(2, -1, num_kv_heads, head_dim)
     rows[0, :, :, 0], rows[0, :, :, 32] = 2.0**30, -(2.0**30)
     rows[0, slots, :, 2] = (torch.arange(length) % 7).float()[:, None]
     rows[1, slots] = (torch.arange(length) % 5).float()[:, None, None]
     cache = cache.to(torch.bfloat16)
-    query = torch.ones(batch, 9, 64, dtype=torch.bfloat16)
+    query = torch.ones(batch, num_heads, head_dim, dtype=torch.bfloat16)
     lens = torch.full((batch,), length, dtype=torch.int32)
     ops = cpu_paged.load_cpu_ops()
     outs = []

@@ -10,7 +10,8 @@
 // scores of one task in a thread-local float buffer; for this engine's
 // contexts (<= a few thousand tokens) that buffer stays in L2.
 // bf16 queries on bf16 KV take pass 1 on AMX tiles where the extension's AMX
-// switch is on (amx_score_run16), both bf16 kernels alike.
+// switch is on, a block holds whole runs of 16 keys and the query group is at
+// most 16 (amx_decode, amx_score_run16), both bf16 kernels alike.
 //
 //   kv_cache [2, num_blocks, block_size, Hkv, R]   (contiguous)
 //     fp32 / bf16:   R = D, the row is the values
@@ -795,9 +796,10 @@ template <int W>
 inline void amx_query_tiles(const at::BFloat16* q, int64_t q_stride_h, int64_t group, int32_t* tiles) {
   std::fill(tiles, tiles + W * kAmxQueryTile, 0);
   for (int64_t g = 0; g < group; ++g) {
-    const int32_t* src = reinterpret_cast<const int32_t*>(q + g * q_stride_h);
+    int32_t pairs[16 * W];  // the query's dims as dwords (memcpy: the row need not be 4-byte aligned)
+    std::memcpy(pairs, q + g * q_stride_h, sizeof(pairs));
     for (int t = 0; t < W; ++t)
-      for (int r = 0; r < 16; ++r) tiles[t * kAmxQueryTile + r * 16 + g] = src[16 * t + r];
+      for (int r = 0; r < 16; ++r) tiles[t * kAmxQueryTile + r * 16 + g] = pairs[16 * t + r];
   }
 }
 
@@ -1015,16 +1017,16 @@ void decode_avx512_bf16(
     const auto d = view;  // a thread's own copy: its fields stay in registers, no reload after each store
     RowsAhead<std::remove_const_t<decltype(d)>> ahead(d, begin, end);
     const int64_t group = G > 0 ? G : d.group;
-#if defined(STREAMKV_AMX)
-    alignas(64) int32_t qt[W * kAmxQueryTile];
-    alignas(64) float ctile[256];
-    if (amx) amx_decode_config();
-#endif
     HeadVectors<__m512i, G * W> q(group * W);
     HeadVectors<__m512, G * C> acc(group * C);
     HeadVectors<float, G> inv_sum(group);
     std::vector<float> scores(group * d.padded_len);
     std::vector<int32_t> weights(group * (d.padded_len / 2));  // bf16 weight pairs of tokens (2i, 2i + 1)
+#if defined(STREAMKV_AMX)
+    alignas(64) int32_t qt[W * kAmxQueryTile];
+    alignas(64) float ctile[256];
+    if (amx) amx_decode_config();  // after the allocations: nothing between it and _tile_release can throw
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / d.num_kv_heads, h = task % d.num_kv_heads;
       const int64_t len = d.len_ptr[b];
