@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from streamkv.attention.kv_layout import allocate_kv_cache, resolve_kv_format
 from streamkv.ops.huge_pages import HUGE_PAGE_BYTES, zeros_on_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -41,9 +41,18 @@ def test_zeros_of_any_size_and_dtype(dtype: torch.dtype) -> None:
 @pytest.mark.skipif(not THP_ON, reason="transparent huge pages are off (or this is not Linux)")
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_a_cpu_pool_starts_on_a_2_mib_boundary_on_huge_pages(kv_dtype: str) -> None:
-    cache = allocate_kv_cache(resolve_kv_format(kv_dtype, torch.bfloat16), 4096, 16, 3, 64)  # 48 / 26 MiB
-    assert cache.data_ptr() % HUGE_PAGE_BYTES == 0
-    assert not cache.view(torch.uint8).any()
-    assert huge_kib(cache) > 0
-    # the same pool from torch.zeros, for contrast, on the 4 KiB pages of glibc's heap or a plain mapping
-    assert huge_kib(torch.zeros(cache.shape, dtype=cache.dtype)) == 0
+    # In a process of its own, so what earlier tests did to this one's heap and mappings cannot decide it.
+    script = f"""
+import torch
+from streamkv.attention.kv_layout import allocate_kv_cache, resolve_kv_format
+from streamkv.ops.huge_pages import HUGE_PAGE_BYTES
+from tests.test_huge_pages import huge_kib
+cache = allocate_kv_cache(resolve_kv_format({kv_dtype!r}, torch.bfloat16), 4096, 16, 3, 64)  # 48 / 26 MiB
+print(cache.data_ptr() % HUGE_PAGE_BYTES, int(cache.view(torch.uint8).any()), huge_kib(cache))
+"""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    misalign, nonzero, kib = (int(x) for x in done.stdout.split())
+    assert misalign == 0 and nonzero == 0
+    assert kib > 0  # a pool from torch.zeros reads 0 here (4 KiB pages)
