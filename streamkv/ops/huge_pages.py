@@ -40,7 +40,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     ``torch.zeros`` commits it. Off Linux, below 2 MiB, or when the mapping or
     the advice fails (logged at debug level), it is ``torch.zeros``.
     """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, device="cpu")
     try:
