@@ -32,6 +32,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+#if defined(STREAMKV_AMX)
+// ldtilecfg of all 64 bytes of cfg. Not _tile_loadconfig: GCC 12 declares that intrinsic's operand as 8 bytes
+// (`"m" (*(const void**)p)`), so the stores that fill the rest of a config may be deleted as dead. They were when
+// the decode kernels' config took the query group as an argument (round 35): ldtilecfg read the stack's leftovers
+// and faulted (SIGSEGV).
+inline void load_tiles(const TileConfig& cfg) { asm volatile("ldtilecfg %0" : : "m"(cfg)); }
+#endif
+
 // Whether the OS gave this process the tile state (asked once; false on a build without AMX).
 inline bool amx_permitted() {
 #if defined(STREAMKV_AMX)

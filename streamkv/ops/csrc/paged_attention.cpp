@@ -787,7 +787,7 @@ inline bool amx_decode(int64_t block_size, int64_t group) {
 inline void amx_decode_config() {
   TileConfig cfg;
   for (int i = 0; i < 3; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-  _tile_loadconfig(&cfg);
+  load_tiles(cfg);
 }
 
 // B tiles of one KV head's query vectors (query head g at q + g * q_stride_h, W * 32 dims each): tile t row r

@@ -433,7 +433,7 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
     const int64_t padded = v.padded;
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
+    load_tiles(cfg);
     const int64_t last = pos[padded - 1];
     for (int64_t k0 = 0; k0 <= last; k0 += BLOCK) {
       const int64_t n = std::min<int64_t>(BLOCK, last + 1 - k0);  // keys of this block any vector may see

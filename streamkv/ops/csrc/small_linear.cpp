@@ -446,7 +446,7 @@ inline void load_tile_config(int64_t ac_rows) {
     cfg.rows[t] = t < 6 ? ac_rows : AMX_ROWS;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_tiles(cfg);
 }
 
 // Rows [r_begin, r_end) of a pass's results c [rows][32] fp32 for pair `pair` plus the bias, into rows r0 + r of
