@@ -119,7 +119,8 @@ inline __m512 exp16(__m512 x) {
 // interval (relative error 8e-8 in exact arithmetic, 2e-7 as evaluated in fp32; exp16's is 1e-7). Eight
 // instructions with the scaling by log2(e) folded into the caller's fmsub, where exp16 takes thirteen (its
 // reduction of x by ln 2 in two steps and a degree-7 polynomial). y below -150 gives +0 (scalef), above 128 inf;
-// y must not be NaN.
+// y must not be NaN. (vreduceps is AVX512DQ, which every AVX-512 CPU but Xeon Phi has.)
+#if defined(__AVX512DQ__)
 inline __m512 exp2_16(__m512 y) {
   const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 poly = _mm512_set1_ps(1.87756939e-3f);
@@ -130,6 +131,7 @@ inline __m512 exp2_16(__m512 y) {
   poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.99999925e-1f));
   return _mm512_scalef_ps(poly, y);
 }
+#endif
 
 // 16 fp32 lanes -> 16 bf16, round-to-nearest-even, a NaN kept NaN as 0x7FC0: c10::BFloat16's rule, bit for bit.
 // vcvtneps2bf16 (AVX512-BF16) gives the same bits for every input but subnormals, which it reads as zero, and
