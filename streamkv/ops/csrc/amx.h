@@ -2,14 +2,15 @@
 // kernels that use it: small_linear.cpp's bf16 and int8 matmuls and fp32 prefill matmuls on GGUF codes,
 // paged_prefill.cpp's bf16 attention, and pass 1 (q . k) of paged_attention.cpp's bf16 decode.
 //
-// STREAMKV_AMX is defined on a -march=native build for a CPU with AMX-BF16 (Sapphire Rapids and later). Even
+// STREAMKV_AMX is defined on a -march=native build for a CPU with AMX-BF16 (Sapphire Rapids and later; AVX512DQ,
+// which prefill_amx's exp2_16 needs, is checked too, though every such CPU has it). Even
 // there a process may use the tiles only after asking Linux for their state (arch_prctl(ARCH_REQ_XCOMP_PERM,
 // XFEATURE_XTILEDATA), which oneDNN also makes); amx_on() asks once and falls back when the OS refuses.
 // One switch per extension (set_amx, or STREAMKV_AMX=0 in the environment at the first call), shared by
 // every source compiled into it; streamkv.ops.cpu_ops.set_amx sets it in every loaded extension.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define STREAMKV_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>

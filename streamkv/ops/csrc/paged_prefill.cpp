@@ -328,7 +328,7 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 #if defined(STREAMKV_AMX)
 // bf16 query on bf16 KV on AMX tiles (tdpbf16ps): prefill_avx512's loop with its two products as tile
 // products, 16 query vectors (one tile's rows) at a time; the online softmax between them stays AVX-512 fp32, its
-// exponentials exp2_16 of the scores times scale * log2(e) (eight instructions a chunk where exp16 took thirteen;
+// exponentials exp2_16 of the scores times scale * log2(e) (eight instructions a chunk with the fmsub, where it took fourteen;
 // a 4,096-token prompt's attention 35-37 -> 30-33 ms a layer, docs/benchmarks.md "Round 35").
 // The softmax runs over blocks of BLOCK = 512 keys (eight of load_tile_bf16's 64-key tiles), so a vector's
 // per-block work (two horizontal reductions, the rescale factor's exp, the rescale of its accumulators)

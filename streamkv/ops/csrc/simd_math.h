@@ -116,8 +116,8 @@ inline __m512 exp16(__m512 x) {
 }
 
 // 2^y on 16 lanes: 2^floor(y) * poly(f), f = y - floor(y) in [0, 1) (vreduceps), poly a degree-5 fit of 2^f on that
-// interval (relative error 8e-8 in exact arithmetic, 2e-7 as evaluated in fp32; exp16's is 1e-7). Eight
-// instructions with the scaling by log2(e) folded into the caller's fmsub, where exp16 takes thirteen (its
+// interval (relative error 8e-8 in exact arithmetic, 2e-7 as evaluated in fp32; exp16's is 1e-7). Seven
+// instructions, the scaling by log2(e) folded into the caller's fmsub, where exp16 takes thirteen (its
 // reduction of x by ln 2 in two steps and a degree-7 polynomial). y below -150 gives +0 (scalef), above 128 inf;
 // y must not be NaN. (vreduceps is AVX512DQ, which every AVX-512 CPU but Xeon Phi has.)
 #if defined(__AVX512DQ__)
