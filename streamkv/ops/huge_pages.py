@@ -22,7 +22,6 @@ import ctypes
 import logging
 import math
 import mmap
-import sys
 
 import torch
 
@@ -41,7 +40,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     the advice fails (logged at debug level), it is ``torch.zeros``.
     """
     nbytes = math.prod(shape) * dtype.itemsize
-    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):  # MADV_HUGEPAGE: Linux only
         return torch.zeros(shape, dtype=dtype, device="cpu")
     try:
         # Private: a shared anonymous mapping is shmem, which takes huge pages only under shmem_enabled.

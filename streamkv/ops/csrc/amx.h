@@ -10,7 +10,8 @@
 // every source compiled into it; streamkv.ops.cpu_ops.set_amx sets it in every loaded extension.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__)
 #define STREAMKV_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>

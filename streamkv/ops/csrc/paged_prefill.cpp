@@ -328,8 +328,8 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 #if defined(STREAMKV_AMX)
 // bf16 query on bf16 KV on AMX tiles (tdpbf16ps): prefill_avx512's loop with its two products as tile
 // products, 16 query vectors (one tile's rows) at a time; the online softmax between them stays AVX-512 fp32, its
-// exponentials exp2_16 of the scores times scale * log2(e) (eight instructions a chunk with the fmsub, where it took fourteen;
-// a 4,096-token prompt's attention 35-37 -> 30-33 ms a layer, docs/benchmarks.md "Round 35").
+// exponentials exp2_16 of the scores times scale * log2(e) (eight instructions a chunk with the fmsub, where it
+// took fourteen; a 4,096-token prompt's attention 35-37 -> 30-33 ms a layer, docs/benchmarks.md "Round 35").
 // The softmax runs over blocks of BLOCK = 512 keys (eight of load_tile_bf16's 64-key tiles), so a vector's
 // per-block work (two horizontal reductions, the rescale factor's exp, the rescale of its accumulators)
 // is paid once per 512 keys; at 64 keys it was a third of a long prompt's attention time. Taking the block max over
@@ -472,14 +472,11 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
           float alpha = 1.f, block_sum = 0.f;
           if (visible > 0) {  // else p = 0 and alpha = e^0: the vector sees none of this block
             // The max of the raw scores: times scale > 0 it is the max of the scaled ones (rounding is monotonic).
-            // Chunks below `full` hold only visible keys and take no mask; four running maxes, not one chain.
-            const int full = static_cast<int>(std::min<int64_t>(visible / 16, BLOCK_CHUNKS));
-            __m512 mx[4];
-            for (__m512& m : mx) m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-            for (int kc = 0; kc < full; ++kc) mx[kc % 4] = _mm512_max_ps(mx[kc % 4], _mm512_load_ps(si + 16 * kc));
-            if (full < live_chunks)
-              mx[0] = _mm512_mask_max_ps(mx[0], lanes_below(visible - 16 * full), mx[0], _mm512_load_ps(si + 16 * full));
-            const __m512 block_max = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+            __m512 block_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+            for (int kc = 0; kc < live_chunks; ++kc) {
+              const __mmask16 live = lanes_below(visible - 16 * kc);
+              block_max = _mm512_mask_max_ps(block_max, live, block_max, _mm512_load_ps(si + 16 * kc));
+            }
             const float m_new = std::max(m_old, _mm512_reduce_max_ps(block_max) * scale);
             // p = 2^(s scale log2(e) - m log2(e)) = e^(s scale - m) rounded to bf16; the sum counts the rounded
             // weights, two chunks at a time (vdpbf16ps with ones: each lane adds two weights to its running sum, in
@@ -487,22 +484,18 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
             const __m512 mv = _mm512_set1_ps(m_new * kLog2e);
             const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
             __m512 sum = _mm512_setzero_ps();
-            auto weights = [&](int kc, auto masked) {
-              __m512 e = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(si + 16 * kc), sc, mv));
-              if constexpr (masked) e = _mm512_maskz_mov_ps(lanes_below(visible - 16 * kc), e);
-              const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+            auto weights = [&](int kc) {
+              const __mmask16 live = lanes_below(visible - 16 * kc);
+              const __m512 e = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(si + 16 * kc), sc, mv));
+              const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(live, e));
               _mm256_store_si256(reinterpret_cast<__m256i*>(pi + 16 * kc), pb);
               return pb;
             };
-            auto add_pair = [&](__m256i lo, __m256i hi) {
+            for (int kc = 0; kc < live_chunks; kc += 2) {
+              const __m256i lo = weights(kc);
+              const __m256i hi = kc + 1 < live_chunks ? weights(kc + 1) : _mm256_setzero_si256();
               sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), ones);
-            };
-            int kc = 0;
-            constexpr std::false_type whole;
-            constexpr std::true_type masked;
-            for (; kc + 1 < full; kc += 2) add_pair(weights(kc, whole), weights(kc + 1, whole));
-            for (; kc < live_chunks; kc += 2)
-              add_pair(weights(kc, masked), kc + 1 < live_chunks ? weights(kc + 1, masked) : _mm256_setzero_si256());
+            }
             block_sum = _mm512_reduce_add_ps(sum);
             // alpha = e^(m_old - m_new): 1 while the max holds, 0 on the first block (m_old = -inf)
             alpha = m_old == -std::numeric_limits<float>::infinity()
