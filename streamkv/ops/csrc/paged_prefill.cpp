@@ -334,6 +334,10 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 // per-block work (two horizontal reductions, the rescale factor's exp, the rescale of its accumulators)
 // is paid once per 512 keys; at 64 keys it was a third of a long prompt's attention time. Taking the block max over
 // the raw scores needs scale > 0; paged_prefill sends any other scale to prefill_avx512.
+// A block's kt and vb (64 KiB each) live in L2, and the tile loads of their B tiles bounded the tile products: so
+// two groups of 16 vectors go through a block together (amx_scores_pair, amx_pv_pair), each B tile load feeding
+// both; with the block max over four chains, a 4,096-token prompt's attention 32-33 -> 25-26 ms a layer, the same
+// bits (docs/benchmarks.md "Round 36").
 // Tiles, all 16 rows x 64 bytes:
 //   scores:  0-3  S [16 vectors x 16 keys] fp32, key chunks 0-3 of one 64-key tile
 //            4    A: the 16 vectors' bf16 queries, 32 dims (a row of 64 bytes; q_buf holds them end to end)
@@ -411,6 +415,72 @@ __attribute__((always_inline)) inline void amx_pv(const uint16_t* p, const float
   }
 }
 
+// The same products for two groups of 16 query vectors at once (q0, q1: 32 vectors, s0 / s1 their score rows): each
+// B tile of kt, read from L2 (a block's kt is 64 KiB), feeds two tile products where amx_scores gives it one. The
+// NB (1 or 2) 16-key chunks of one pass start at kt and s0 / s1; each score is the same sum over the same dim pairs
+// in the same order as amx_scores', so bitwise the same.
+//   0, 1  S of q0 for the pass's chunks;  2, 3  S of q1;  4, 5  A: q0's, q1's 32 dims;  6, 7  B: kt's chunks
+template <int NB, int64_t D>
+__attribute__((always_inline)) inline void amx_scores_pair(const at::BFloat16* q0, const at::BFloat16* q1,
+                                                           const float* kt, float* s0, float* s1) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (NB > 1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  for (int64_t t = 0; t < D / 32; ++t) {
+    const float* b = kt + 16 * t * KEYS;  // dim pairs 16t .. 16t + 15
+    _tile_loadd(4, q0 + 32 * t, D * 2);
+    _tile_loadd(5, q1 + 32 * t, D * 2);
+    _tile_loadd(6, b, KEYS * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NB > 1) {
+      _tile_loadd(7, b + 16, KEYS * 4);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, s0, BLOCK * 4);
+  _tile_stored(2, s1, BLOCK * 4);
+  if constexpr (NB > 1) {
+    _tile_stored(1, s0 + 16, BLOCK * 4);
+    _tile_stored(3, s1 + 16, BLOCK * 4);
+  }
+}
+
+// acc0 / acc1 [16 vectors][D] += P0 / P1 [16][BLOCK] bf16 . vb for two groups, 32 dims a pass: each of vb's B tiles
+// feeds two tile products, as in amx_scores_pair; each sum takes the same key pairs in the same order as amx_pv's.
+//   0, 1  acc0's 32 dims;  2, 3  acc1's;  4, 5  A: P0's, P1's 32 keys;  6, 7  B: vb's 16 key pairs x 16 dims, twice
+template <int64_t D>
+__attribute__((always_inline)) inline void amx_pv_pair(const uint16_t* p0, const uint16_t* p1, const float* vb,
+                                                       int64_t units, float* acc0, float* acc1) {
+  for (int64_t c0 = 0; c0 < D / 16; c0 += 2) {
+    float* a0 = acc0 + 16 * c0;
+    float* a1 = acc1 + 16 * c0;
+    _tile_loadd(0, a0, D * 4);
+    _tile_loadd(1, a0 + 16, D * 4);
+    _tile_loadd(2, a1, D * 4);
+    _tile_loadd(3, a1 + 16, D * 4);
+    for (int64_t u = 0; u < units; ++u) {
+      const float* b = vb + 16 * u * D + 16 * c0;  // key pairs 16u .. 16u + 15, dims 16 c0 ..
+      _tile_loadd(4, p0 + 32 * u, BLOCK * 2);
+      _tile_loadd(5, p1 + 32 * u, BLOCK * 2);
+      _tile_loadd(6, b, D * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, b + 16, D * 4);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, a0, D * 4);
+    _tile_stored(1, a0 + 16, D * 4);
+    _tile_stored(2, a1, D * 4);
+    _tile_stored(3, a1 + 16, D * 4);
+  }
+}
+
 template <int C>
 void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<Task>& tasks, int64_t max_rows,
                  float scale) {
@@ -444,24 +514,10 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
                           kt + j * (D / 2) * KEYS, vb + j * (KEYS / 2) * D);
       const int64_t pairs_read = (n + 31) / 32 * 16;  // the key pairs P . V steps read
       std::fill(vb + (n + 1) / 2 * D, vb + pairs_read * D, 0.f);
-      for (int64_t m0 = 0; m0 < padded; m0 += V) {
-        if (pos[m0 + V - 1] < k0) continue;  // the whole group sits above this block's diagonal
-        const int64_t seen = std::min<int64_t>(n, pos[m0 + V - 1] - k0 + 1);
-        alignas(64) float s[V * BLOCK];
-        alignas(64) uint16_t p[V * BLOCK];
-        for (int64_t j = 0; j * KEYS < seen; ++j) {
-          const at::BFloat16* qg = q + m0 * D;
-          const float* ktj = kt + j * (D / 2) * KEYS;
-          switch ((std::min<int64_t>(KEYS, seen - j * KEYS) + 15) / 16) {
-            case 1: amx_scores<1, D>(qg, ktj, s + j * KEYS); break;
-            case 2: amx_scores<2, D>(qg, ktj, s + j * KEYS); break;
-            case 3: amx_scores<3, D>(qg, ktj, s + j * KEYS); break;
-            default: amx_scores<4, D>(qg, ktj, s + j * KEYS); break;
-          }
-        }
+      // The group's softmax (16 vectors from m0; their scores s, weights p): p, and each vector's max, sum and
+      // rescaled sums; p is 0 past each vector's last key up to chunk p_chunks (what the P . V steps read).
+      auto softmax = [&](int64_t m0, const float* s, uint16_t* p, int p_chunks) {
         const __m512 sc = _mm512_set1_ps(scale * kLog2e);
-        const int64_t units = (seen + 31) / 32;  // 32-key steps of P . V
-        const int p_chunks = static_cast<int>(2 * units);  // the 16-key chunks of p they read
         for (int64_t i = 0; i < V; ++i) {
           const int64_t visible = std::min<int64_t>(n, pos[m0 + i] - k0 + 1);
           // Chunks with a key the vector sees; past them (and past `seen`, where s was not computed) p is 0.
@@ -472,11 +528,16 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
           float alpha = 1.f, block_sum = 0.f;
           if (visible > 0) {  // else p = 0 and alpha = e^0: the vector sees none of this block
             // The max of the raw scores: times scale > 0 it is the max of the scaled ones (rounding is monotonic).
-            __m512 block_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-            for (int kc = 0; kc < live_chunks; ++kc) {
-              const __mmask16 live = lanes_below(visible - 16 * kc);
-              block_max = _mm512_mask_max_ps(block_max, live, block_max, _mm512_load_ps(si + 16 * kc));
-            }
+            // Four chains over the chunks the vector sees whole, the last one masked (a max is the same in any order).
+            const int whole = static_cast<int>(visible / 16);
+            __m512 mx[4];
+            for (__m512& x : mx) x = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+            int kc = 0;
+            for (; kc + 4 <= whole; kc += 4)
+              for (int r = 0; r < 4; ++r) mx[r] = _mm512_max_ps(mx[r], _mm512_load_ps(si + 16 * (kc + r)));
+            for (; kc < live_chunks; ++kc)
+              mx[0] = _mm512_mask_max_ps(mx[0], lanes_below(visible - 16 * kc), mx[0], _mm512_load_ps(si + 16 * kc));
+            const __m512 block_max = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
             const float m_new = std::max(m_old, _mm512_reduce_max_ps(block_max) * scale);
             // p = 2^(s scale log2(e) - m log2(e)) = e^(s scale - m) rounded to bf16; the sum counts the rounded
             // weights, two chunks at a time (vdpbf16ps with ones: each lane adds two weights to its running sum, in
@@ -512,7 +573,48 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
             for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), al));
           }
         }
-        amx_pv<D>(p, vb, units, acc + m0 * D);
+      };
+      alignas(64) float s[2 * V * BLOCK];
+      alignas(64) uint16_t p[2 * V * BLOCK];
+      for (int64_t m0 = 0; m0 < padded;) {
+        if (pos[m0 + V - 1] < k0) {  // the whole group sits above this block's diagonal
+          m0 += V;
+          continue;
+        }
+        // Two groups at once where there are two (the second's keys are a superset of the first's): each K / V tile
+        // load from L2 serves both. The first group's scores and weights past its own keys are computed or zeroed
+        // for the second's sake and never change its sums (its weights there are 0).
+        const int64_t groups = m0 + 2 * V <= padded ? 2 : 1;
+        const int64_t seen = std::min<int64_t>(n, pos[m0 + groups * V - 1] - k0 + 1);
+        const at::BFloat16* qg = q + m0 * D;
+        for (int64_t j = 0; j * KEYS < seen; ++j) {
+          const float* ktj = kt + j * (D / 2) * KEYS;
+          const int chunks = static_cast<int>((std::min<int64_t>(KEYS, seen - j * KEYS) + 15) / 16);
+          float* sj = s + j * KEYS;
+          if (groups == 2) {
+            for (int c = 0; c < chunks; c += 2) {
+              if (c + 1 < chunks)
+                amx_scores_pair<2, D>(qg, qg + V * D, ktj + 16 * c, sj + 16 * c, sj + V * BLOCK + 16 * c);
+              else
+                amx_scores_pair<1, D>(qg, qg + V * D, ktj + 16 * c, sj + 16 * c, sj + V * BLOCK + 16 * c);
+            }
+            continue;
+          }
+          switch (chunks) {
+            case 1: amx_scores<1, D>(qg, ktj, sj); break;
+            case 2: amx_scores<2, D>(qg, ktj, sj); break;
+            case 3: amx_scores<3, D>(qg, ktj, sj); break;
+            default: amx_scores<4, D>(qg, ktj, sj); break;
+          }
+        }
+        const int64_t units = (seen + 31) / 32;  // 32-key steps of P . V
+        const int p_chunks = static_cast<int>(2 * units);  // the 16-key chunks of p they read
+        for (int64_t g = 0; g < groups; ++g) softmax(m0 + g * V, s + g * V * BLOCK, p + g * V * BLOCK, p_chunks);
+        if (groups == 2)
+          amx_pv_pair<D>(p, p + V * BLOCK, vb, units, acc + m0 * D, acc + (m0 + V) * D);
+        else
+          amx_pv<D>(p, vb, units, acc + m0 * D);
+        m0 += groups * V;
       }
     }
     _tile_release();
