@@ -704,12 +704,14 @@ void prefill_avx2(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, fl
 }
 #endif
 
-// Tiles of query rows: up to 64, as large as keeps every thread busy (a K/V tile load serves rows x G vectors;
-// 64 rows against 32: bf16 32 x 128 tokens 1.95 -> 1.73 ms a layer, fp32 3.6 -> 3.4, docs/benchmarks.md "Round 17").
+// Tiles of query rows: up to 256, as large as keeps every thread busy (a K/V tile load serves rows x G vectors, and
+// each task lays out every K/V tile up to its last row anew; 64 rows against 32: bf16 32 x 128 tokens 1.95 -> 1.73 ms
+// a layer, fp32 3.6 -> 3.4, docs/benchmarks.md "Round 17"; 256 against 64: a 4,096-token prompt on AMX tiles 29.0 ->
+// 27.3 ms, in fp32 96 -> 88, "Round 36").
 std::vector<Task> make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads,
                              int64_t* max_rows) {
   const int64_t threads = at::get_num_threads();
-  int64_t tile = 64;
+  int64_t tile = 256;
   auto count = [&](int64_t rows_per_tile) {
     int64_t n = 0;
     for (int64_t b = 0; b < num_seqs; ++b) {
