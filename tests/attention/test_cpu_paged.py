@@ -382,7 +382,7 @@ def test_chunk_lengths_and_offsets_across_block_edges(name: str, dtype: torch.dt
 @pytest.mark.parametrize("name, dtype, tol, amx", PREFILL_KERNELS[:3])
 def test_only_one_sequence_with_a_long_chunk(name: str, dtype: torch.dtype, tol: float, amx: bool) -> None:
     # A single chunk: tiles of query rows keep both threads busy; 128-wide heads (register block of 2; on AMX
-    # two passes of four accumulator tiles).
+    # pairs of 16-vector groups, P . V in four passes of 2 + 2 accumulator tiles).
     with amx_kernels(amx):
         compare_step(name, dtype, tol, [64], [700], num_heads=8, num_kv_heads=2, head_dim=128)
 

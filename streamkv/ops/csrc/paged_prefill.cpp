@@ -327,18 +327,19 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 
 #if defined(STREAMKV_AMX)
 // bf16 query on bf16 KV on AMX tiles (tdpbf16ps): prefill_avx512's loop with its two products as tile
-// products, 16 query vectors (one tile's rows) at a time; the online softmax between them stays AVX-512 fp32, its
+// products, 16 query vectors (one tile's rows) at a time, two such groups together wherever there are two; the
+// online softmax between them stays AVX-512 fp32, its
 // exponentials exp2_16 of the scores times scale * log2(e) (eight instructions a chunk with the fmsub, where it
 // took fourteen; a 4,096-token prompt's attention 35-37 -> 30-33 ms a layer, docs/benchmarks.md "Round 35").
 // The softmax runs over blocks of BLOCK = 512 keys (eight of load_tile_bf16's 64-key tiles), so a vector's
 // per-block work (two horizontal reductions, the rescale factor's exp, the rescale of its accumulators)
 // is paid once per 512 keys; at 64 keys it was a third of a long prompt's attention time. Taking the block max over
 // the raw scores needs scale > 0; paged_prefill sends any other scale to prefill_avx512.
-// A block's kt and vb (64 KiB each) live in L2, and the tile loads of their B tiles bounded the tile products: so
-// two groups of 16 vectors go through a block together (amx_scores_pair, amx_pv_pair), each B tile load feeding
-// both; with the block max over four chains, a 4,096-token prompt's attention 32-33 -> 25-26 ms a layer, the same
-// bits (docs/benchmarks.md "Round 36").
-// Tiles, all 16 rows x 64 bytes:
+// A block's kt and vb (64 KiB each at head dim 64, 128 at 128) live in L2, and the tile loads of their B tiles
+// bounded the tile products: so two groups of 16 vectors go through a block together (amx_scores_pair, amx_pv_pair),
+// each B tile load feeding both (a 4,096-token prompt's attention 32.1 -> 29.0 ms a layer, the same bits; with
+// make_tasks' larger tasks and the block max on four chains, 25-26 ms: docs/benchmarks.md "Round 36").
+// Tiles, all 16 rows x 64 bytes (one group; the pairs' own map is at amx_scores_pair and amx_pv_pair):
 //   scores:  0-3  S [16 vectors x 16 keys] fp32, key chunks 0-3 of one 64-key tile
 //            4    A: the 16 vectors' bf16 queries, 32 dims (a row of 64 bytes; q_buf holds them end to end)
 //            5-7  B: kt's rows for 16 dim pairs x 16 keys (load_tile_bf16's layout is the tile's (k, k+1) pairs)
@@ -416,7 +417,8 @@ __attribute__((always_inline)) inline void amx_pv(const uint16_t* p, const float
 }
 
 // The same products for two groups of 16 query vectors at once (q0, q1: 32 vectors, s0 / s1 their score rows): each
-// B tile of kt, read from L2 (a block's kt is 64 KiB), feeds two tile products where amx_scores gives it one. The
+// B tile of kt, read from L2 (a block's kt is 64 KiB at head dim 64), feeds two tile products where amx_scores gives
+// it one. The
 // NB (1 or 2) 16-key chunks of one pass start at kt and s0 / s1; each score is the same sum over the same dim pairs
 // in the same order as amx_scores', so bitwise the same.
 //   0, 1  S of q0 for the pass's chunks;  2, 3  S of q1;  4, 5  A: q0's, q1's 32 dims;  6, 7  B: kt's chunks
@@ -514,13 +516,13 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
                           kt + j * (D / 2) * KEYS, vb + j * (KEYS / 2) * D);
       const int64_t pairs_read = (n + 31) / 32 * 16;  // the key pairs P . V steps read
       std::fill(vb + (n + 1) / 2 * D, vb + pairs_read * D, 0.f);
-      // The group's softmax (16 vectors from m0; their scores s, weights p): p, and each vector's max, sum and
-      // rescaled sums; p is 0 past each vector's last key up to chunk p_chunks (what the P . V steps read).
+      // The group's softmax (16 vectors from m0; their scores s, weights p): p, each vector's max and sum, and its
+      // accumulators rescaled; p is 0 past each vector's last key up to chunk p_chunks (what the P . V steps read).
       auto softmax = [&](int64_t m0, const float* s, uint16_t* p, int p_chunks) {
         const __m512 sc = _mm512_set1_ps(scale * kLog2e);
         for (int64_t i = 0; i < V; ++i) {
           const int64_t visible = std::min<int64_t>(n, pos[m0 + i] - k0 + 1);
-          // Chunks with a key the vector sees; past them (and past `seen`, where s was not computed) p is 0.
+          // Chunks with a key the vector sees; past them (where s may not have been computed) p is 0.
           const int live_chunks = static_cast<int>(std::clamp<int64_t>((visible + 15) / 16, 0, BLOCK_CHUNKS));
           const float* si = s + i * BLOCK;
           uint16_t* pi = p + i * BLOCK;
@@ -528,7 +530,8 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
           float alpha = 1.f, block_sum = 0.f;
           if (visible > 0) {  // else p = 0 and alpha = e^0: the vector sees none of this block
             // The max of the raw scores: times scale > 0 it is the max of the scaled ones (rounding is monotonic).
-            // Four chains over the chunks the vector sees whole, the last one masked (a max is the same in any order).
+            // Four chains over runs of four whole chunks; the rest, the partial chunk last, on chain 0, masked (a max of
+            // scores that are not NaN is the same in any order).
             const int whole = static_cast<int>(visible / 16);
             __m512 mx[4];
             for (__m512& x : mx) x = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -583,7 +586,8 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
         }
         // Two groups at once where there are two (the second's keys are a superset of the first's): each K / V tile
         // load from L2 serves both. The first group's scores and weights past its own keys are computed or zeroed
-        // for the second's sake and never change its sums (its weights there are 0).
+        // for the second's sake and never change its sums: its weights there are 0, against the values of the
+        // sequence's own later keys (finite; 0 x inf would be NaN, as between one group's rows before).
         const int64_t groups = m0 + 2 * V <= padded ? 2 : 1;
         const int64_t seen = std::min<int64_t>(n, pos[m0 + groups * V - 1] - k0 + 1);
         const at::BFloat16* qg = q + m0 * D;
@@ -704,6 +708,19 @@ void prefill_avx2(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, fl
 }
 #endif
 
+// Calls f(b, ctx0, r0, rows) for each tile of up to `tile` query rows of every sequence with query_len > 1 (ctx0: the
+// tokens cached before its chunk); a sequence's tiles are of equal size (100 rows in tiles of 64: 50 + 50, not 64 + 36).
+template <typename F>
+void for_each_tile(const int32_t* starts, const int32_t* lens, int64_t num_seqs, int64_t tile, F&& f) {
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    if (q_len <= 1) continue;
+    const int64_t num_tiles = (q_len + tile - 1) / tile;
+    const int64_t even = (q_len + num_tiles - 1) / num_tiles;
+    for (int64_t r0 = 0; r0 < q_len; r0 += even) f(b, lens[b] - q_len, r0, std::min(even, q_len - r0));
+  }
+}
+
 // Tiles of query rows: up to 256, as large as keeps every thread busy (a K/V tile load serves rows x G vectors, and
 // each task lays out every K/V tile up to its last row anew; 64 rows against 32: bf16 32 x 128 tokens 1.95 -> 1.73 ms
 // a layer, fp32 3.6 -> 3.4, docs/benchmarks.md "Round 17"; 256 against 64: a 4,096-token prompt on AMX tiles 29.0 ->
@@ -711,30 +728,25 @@ void prefill_avx2(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, fl
 std::vector<Task> make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads,
                              int64_t* max_rows) {
   const int64_t threads = at::get_num_threads();
+  // Halved while threads would wait on each other: fewer than 4 tasks a thread, or one task costlier than a
+  // thread's share of the batch (a long prompt beside many short ones, on many threads).
   int64_t tile = 256;
-  auto count = [&](int64_t rows_per_tile) {
-    int64_t n = 0;
-    for (int64_t b = 0; b < num_seqs; ++b) {
-      const int64_t q_len = starts[b + 1] - starts[b];
-      if (q_len > 1) n += (q_len + rows_per_tile - 1) / rows_per_tile * num_kv_heads;
-    }
-    return n;
-  };
-  while (tile > 4 && count(tile) < 4 * threads) tile /= 2;
+  for (; tile > 4; tile /= 2) {
+    int64_t n = 0, largest = 0, total = 0;
+    for_each_tile(starts, lens, num_seqs, tile, [&](int64_t, int64_t ctx0, int64_t r0, int64_t rows) {
+      const int64_t cost = (ctx0 + r0 + rows) * rows;
+      n += num_kv_heads;
+      largest = std::max(largest, cost);
+      total += cost * num_kv_heads;
+    });
+    if (n >= 4 * threads && largest * threads <= total) break;
+  }
   std::vector<Task> tasks;
   *max_rows = 0;
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t q_len = starts[b + 1] - starts[b];
-    if (q_len <= 1) continue;
-    const int64_t ctx0 = lens[b] - q_len;
-    const int64_t num_tiles = (q_len + tile - 1) / tile;
-    const int64_t even = (q_len + num_tiles - 1) / num_tiles;  // 100 rows in tiles of 64: 50 + 50, not 64 + 36
-    for (int64_t r0 = 0; r0 < q_len; r0 += even) {
-      const int64_t rows = std::min(even, q_len - r0);
-      *max_rows = std::max(*max_rows, rows);
-      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({b, h, r0, rows, (ctx0 + r0 + rows) * rows});
-    }
-  }
+  for_each_tile(starts, lens, num_seqs, tile, [&](int64_t b, int64_t ctx0, int64_t r0, int64_t rows) {
+    *max_rows = std::max(*max_rows, rows);
+    for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({b, h, r0, rows, (ctx0 + r0 + rows) * rows});
+  });
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   return tasks;
 }
