@@ -328,9 +328,9 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 #if defined(STREAMKV_AMX)
 // bf16 query on bf16 KV on AMX tiles (tdpbf16ps): prefill_avx512's loop with its two products as tile
 // products, 16 query vectors (one tile's rows) at a time, two such groups together wherever there are two; the
-// online softmax between them stays AVX-512 fp32, its
-// exponentials exp2_16 of the scores times scale * log2(e) (eight instructions a chunk with the fmsub, where it
-// took fourteen; a 4,096-token prompt's attention 35-37 -> 30-33 ms a layer, docs/benchmarks.md "Round 35").
+// online softmax between them stays AVX-512 fp32, its exponentials exp2_16 of the scores times scale * log2(e)
+// (eight instructions a chunk with the fmsub, where it took fourteen; a 4,096-token prompt's attention 35-37 ->
+// 30-33 ms a layer, docs/benchmarks.md "Round 35").
 // The softmax runs over blocks of BLOCK = 512 keys (eight of load_tile_bf16's 64-key tiles), so a vector's
 // per-block work (two horizontal reductions, the rescale factor's exp, the rescale of its accumulators)
 // is paid once per 512 keys; at 64 keys it was a third of a long prompt's attention time. Taking the block max over
@@ -418,9 +418,8 @@ __attribute__((always_inline)) inline void amx_pv(const uint16_t* p, const float
 
 // The same products for two groups of 16 query vectors at once (q0, q1: 32 vectors, s0 / s1 their score rows): each
 // B tile of kt, read from L2 (a block's kt is 64 KiB at head dim 64), feeds two tile products where amx_scores gives
-// it one. The
-// NB (1 or 2) 16-key chunks of one pass start at kt and s0 / s1; each score is the same sum over the same dim pairs
-// in the same order as amx_scores', so bitwise the same.
+// it one. The NB (1 or 2) 16-key chunks of one pass start at kt and s0 / s1; each score is the same sum over the same
+// dim pairs in the same order as amx_scores', so bitwise the same.
 //   0, 1  S of q0 for the pass's chunks;  2, 3  S of q1;  4, 5  A: q0's, q1's 32 dims;  6, 7  B: kt's chunks
 template <int NB, int64_t D>
 __attribute__((always_inline)) inline void amx_scores_pair(const at::BFloat16* q0, const at::BFloat16* q1,
