@@ -336,17 +336,16 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 // is paid once per 512 keys; at 64 keys it was a third of a long prompt's attention time. Taking the block max over
 // the raw scores needs scale > 0; paged_prefill sends any other scale to prefill_avx512.
 // A block's kt and vb (64 KiB each at head dim 64, 128 at 128) live in L2, and the tile loads of their B tiles
-// bounded the tile products: so two groups of 16 vectors go through a block together (amx_scores_pair, amx_pv_pair),
+// bounded the tile products: so two groups of 16 vectors (G = 2) go through a block together wherever there are two,
 // each B tile load feeding both (a 4,096-token prompt's attention 32.1 -> 29.0 ms a layer, the same bits; with
 // make_tasks' larger tasks and the block max on four chains, 25-26 ms: docs/benchmarks.md "Round 36").
-// Tiles, all 16 rows x 64 bytes (one group; the pairs' own map is at amx_scores_pair and amx_pv_pair):
-//   scores:  0-3  S [16 vectors x 16 keys] fp32, key chunks 0-3 of one 64-key tile
-//            4    A: the 16 vectors' bf16 queries, 32 dims (a row of 64 bytes; q_buf holds them end to end)
-//            5-7  B: kt's rows for 16 dim pairs x 16 keys (load_tile_bf16's layout is the tile's (k, k+1) pairs)
-//   P . V:   0-3  the vectors' fp32 sums for 64 dims, loaded from acc once a block and stored back (a 128-dim
-//                 head: twice)
-//            4    A: P [16 vectors x 32 keys] bf16, the rounded softmax weights
-//            5-7  B: vb's rows for 16 key pairs x 16 dims
+// Tiles, all 16 rows x 64 bytes, group g's in the second of each pair (G = 1: the first alone):
+//   scores:  0, 1  S of group 0 [16 vectors x 16 keys] fp32, one or two 16-key chunks of a 64-key tile;  2, 3  group 1
+//            4, 5  A: each group's bf16 queries, 32 dims (a row of 64 bytes; q_buf holds them end to end)
+//            6, 7  B: kt's rows for 16 dim pairs x 16 keys (load_tile_bf16's layout is the tile's (k, k+1) pairs)
+//   P . V:   0, 1  group 0's fp32 sums for 32 dims, loaded from acc once a block and stored back;  2, 3  group 1
+//            4, 5  A: each group's P [16 vectors x 32 keys] bf16, the rounded softmax weights
+//            6, 7  B: vb's rows for 16 key pairs x 16 dims
 // The same products as prefill_avx512's DOT path (bf16 pairs multiplied exactly, summed in fp32 in k order,
 // p rounded to bf16 and the sum counting the rounded weights); tdpbf16ps treats denormal inputs and outputs as
 // zero, as vdpbf16ps does. A vector's result depends only on its own row of each tile and on the block
@@ -357,128 +356,65 @@ constexpr int SUBTILES = 8;                  // 64-key tiles per softmax block
 constexpr int64_t BLOCK = SUBTILES * KEYS;   // keys per softmax block
 constexpr int BLOCK_CHUNKS = BLOCK / 16;     // 16-key chunks per block
 
-// S [16 vectors][KN * 16 keys] (row stride BLOCK floats) = q . kt for the first KN 16-key chunks of one tile.
-template <int KN, int64_t D>
+// S [G * 16 vectors][NB * 16 keys] (row stride BLOCK floats; group g's queries at q + g * 16 * D, its scores at
+// s + g * 16 * BLOCK) = q . kt for NB (1 or 2) 16-key chunks from kt, summed over the dim pairs in order from zero.
+template <int G, int NB, int64_t D>
 __attribute__((always_inline)) inline void amx_scores(const at::BFloat16* q, const float* kt, float* s) {
+  constexpr int64_t V = 16;
   _tile_zero(0);
-  if constexpr (KN > 1) _tile_zero(1);
-  if constexpr (KN > 2) _tile_zero(2);
-  if constexpr (KN > 3) _tile_zero(3);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (G > 1) _tile_zero(2);
+  if constexpr (G > 1 && NB > 1) _tile_zero(3);
   for (int64_t t = 0; t < D / 32; ++t) {
     const float* b = kt + 16 * t * KEYS;  // dim pairs 16t .. 16t + 15
     _tile_loadd(4, q + 32 * t, D * 2);
-    _tile_loadd(5, b, KEYS * 4);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (KN > 1) {
-      _tile_loadd(6, b + 16, KEYS * 4);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-    if constexpr (KN > 2) {
-      _tile_loadd(7, b + 32, KEYS * 4);
-      _tile_dpbf16ps(2, 4, 7);
-    }
-    if constexpr (KN > 3) {
-      _tile_loadd(5, b + 48, KEYS * 4);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-  }
-  _tile_stored(0, s, BLOCK * 4);
-  if constexpr (KN > 1) _tile_stored(1, s + 16, BLOCK * 4);
-  if constexpr (KN > 2) _tile_stored(2, s + 32, BLOCK * 4);
-  if constexpr (KN > 3) _tile_stored(3, s + 48, BLOCK * 4);
-}
-
-// acc [16 vectors][D] += P [16][BLOCK] bf16 (its first 32 * units keys) . vb (the first 16 * units key pairs).
-template <int64_t D>
-__attribute__((always_inline)) inline void amx_pv(const uint16_t* p, const float* vb, int64_t units, float* acc) {
-  for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
-    float* a = acc + 16 * c0;
-    _tile_loadd(0, a, D * 4);
-    _tile_loadd(1, a + 16, D * 4);
-    _tile_loadd(2, a + 32, D * 4);
-    _tile_loadd(3, a + 48, D * 4);
-    for (int64_t u = 0; u < units; ++u) {
-      const float* b = vb + 16 * u * D + 16 * c0;  // key pairs 16u .. 16u + 15, dims 16 c0 ..
-      _tile_loadd(4, p + 32 * u, BLOCK * 2);
-      _tile_loadd(5, b, D * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, b + 16, D * 4);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, b + 32, D * 4);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, b + 48, D * 4);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, a, D * 4);
-    _tile_stored(1, a + 16, D * 4);
-    _tile_stored(2, a + 32, D * 4);
-    _tile_stored(3, a + 48, D * 4);
-  }
-}
-
-// The same products for two groups of 16 query vectors at once (q0, q1: 32 vectors, s0 / s1 their score rows): each
-// B tile of kt, read from L2 (a block's kt is 64 KiB at head dim 64), feeds two tile products where amx_scores gives
-// it one. The NB (1 or 2) 16-key chunks of one pass start at kt and s0 / s1; each score is the same sum over the same
-// dim pairs in the same order as amx_scores', so bitwise the same.
-//   0, 1  S of q0 for the pass's chunks;  2, 3  S of q1;  4, 5  A: q0's, q1's 32 dims;  6, 7  B: kt's chunks
-template <int NB, int64_t D>
-__attribute__((always_inline)) inline void amx_scores_pair(const at::BFloat16* q0, const at::BFloat16* q1,
-                                                           const float* kt, float* s0, float* s1) {
-  _tile_zero(0);
-  _tile_zero(2);
-  if constexpr (NB > 1) {
-    _tile_zero(1);
-    _tile_zero(3);
-  }
-  for (int64_t t = 0; t < D / 32; ++t) {
-    const float* b = kt + 16 * t * KEYS;  // dim pairs 16t .. 16t + 15
-    _tile_loadd(4, q0 + 32 * t, D * 2);
-    _tile_loadd(5, q1 + 32 * t, D * 2);
+    if constexpr (G > 1) _tile_loadd(5, q + V * D + 32 * t, D * 2);
     _tile_loadd(6, b, KEYS * 4);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (G > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (NB > 1) {
       _tile_loadd(7, b + 16, KEYS * 4);
       _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
+      if constexpr (G > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, s0, BLOCK * 4);
-  _tile_stored(2, s1, BLOCK * 4);
-  if constexpr (NB > 1) {
-    _tile_stored(1, s0 + 16, BLOCK * 4);
-    _tile_stored(3, s1 + 16, BLOCK * 4);
-  }
+  _tile_stored(0, s, BLOCK * 4);
+  if constexpr (NB > 1) _tile_stored(1, s + 16, BLOCK * 4);
+  if constexpr (G > 1) _tile_stored(2, s + V * BLOCK, BLOCK * 4);
+  if constexpr (G > 1 && NB > 1) _tile_stored(3, s + V * BLOCK + 16, BLOCK * 4);
 }
 
-// acc0 / acc1 [16 vectors][D] += P0 / P1 [16][BLOCK] bf16 . vb for two groups, 32 dims a pass: each of vb's B tiles
-// feeds two tile products, as in amx_scores_pair; each sum takes the same key pairs in the same order as amx_pv's.
-//   0, 1  acc0's 32 dims;  2, 3  acc1's;  4, 5  A: P0's, P1's 32 keys;  6, 7  B: vb's 16 key pairs x 16 dims, twice
-template <int64_t D>
-__attribute__((always_inline)) inline void amx_pv_pair(const uint16_t* p0, const uint16_t* p1, const float* vb,
-                                                       int64_t units, float* acc0, float* acc1) {
+// acc [G * 16 vectors][D] += P [G * 16][BLOCK] bf16 (its first 32 * units keys) . vb (the first 16 * units key
+// pairs), 32 dims a pass; group g's weights at p + g * 16 * BLOCK, its sums at acc + g * 16 * D. Each sum takes the
+// key pairs in order.
+template <int G, int64_t D>
+__attribute__((always_inline)) inline void amx_pv(const uint16_t* p, const float* vb, int64_t units, float* acc) {
+  constexpr int64_t V = 16;
   for (int64_t c0 = 0; c0 < D / 16; c0 += 2) {
-    float* a0 = acc0 + 16 * c0;
-    float* a1 = acc1 + 16 * c0;
-    _tile_loadd(0, a0, D * 4);
-    _tile_loadd(1, a0 + 16, D * 4);
-    _tile_loadd(2, a1, D * 4);
-    _tile_loadd(3, a1 + 16, D * 4);
+    float* a = acc + 16 * c0;
+    _tile_loadd(0, a, D * 4);
+    _tile_loadd(1, a + 16, D * 4);
+    if constexpr (G > 1) {
+      _tile_loadd(2, a + V * D, D * 4);
+      _tile_loadd(3, a + V * D + 16, D * 4);
+    }
     for (int64_t u = 0; u < units; ++u) {
       const float* b = vb + 16 * u * D + 16 * c0;  // key pairs 16u .. 16u + 15, dims 16 c0 ..
-      _tile_loadd(4, p0 + 32 * u, BLOCK * 2);
-      _tile_loadd(5, p1 + 32 * u, BLOCK * 2);
+      _tile_loadd(4, p + 32 * u, BLOCK * 2);
+      if constexpr (G > 1) _tile_loadd(5, p + V * BLOCK + 32 * u, BLOCK * 2);
       _tile_loadd(6, b, D * 4);
       _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (G > 1) _tile_dpbf16ps(2, 5, 6);
       _tile_loadd(7, b + 16, D * 4);
       _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
+      if constexpr (G > 1) _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, a0, D * 4);
-    _tile_stored(1, a0 + 16, D * 4);
-    _tile_stored(2, a1, D * 4);
-    _tile_stored(3, a1 + 16, D * 4);
+    _tile_stored(0, a, D * 4);
+    _tile_stored(1, a + 16, D * 4);
+    if constexpr (G > 1) {
+      _tile_stored(2, a + V * D, D * 4);
+      _tile_stored(3, a + V * D + 16, D * 4);
+    }
   }
 }
 
@@ -591,32 +527,23 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
         const int64_t seen = std::min<int64_t>(n, pos[m0 + groups * V - 1] - k0 + 1);
         const at::BFloat16* qg = q + m0 * D;
         for (int64_t j = 0; j * KEYS < seen; ++j) {
-          const float* ktj = kt + j * (D / 2) * KEYS;
           const int chunks = static_cast<int>((std::min<int64_t>(KEYS, seen - j * KEYS) + 15) / 16);
-          float* sj = s + j * KEYS;
-          if (groups == 2) {
-            for (int c = 0; c < chunks; c += 2) {
-              if (c + 1 < chunks)
-                amx_scores_pair<2, D>(qg, qg + V * D, ktj + 16 * c, sj + 16 * c, sj + V * BLOCK + 16 * c);
-              else
-                amx_scores_pair<1, D>(qg, qg + V * D, ktj + 16 * c, sj + 16 * c, sj + V * BLOCK + 16 * c);
-            }
-            continue;
-          }
-          switch (chunks) {
-            case 1: amx_scores<1, D>(qg, ktj, sj); break;
-            case 2: amx_scores<2, D>(qg, ktj, sj); break;
-            case 3: amx_scores<3, D>(qg, ktj, sj); break;
-            default: amx_scores<4, D>(qg, ktj, sj); break;
+          for (int c = 0; c < chunks; c += 2) {
+            const float* ktc = kt + j * (D / 2) * KEYS + 16 * c;
+            float* sj = s + j * KEYS + 16 * c;
+            if (groups == 2)
+              c + 1 < chunks ? amx_scores<2, 2, D>(qg, ktc, sj) : amx_scores<2, 1, D>(qg, ktc, sj);
+            else
+              c + 1 < chunks ? amx_scores<1, 2, D>(qg, ktc, sj) : amx_scores<1, 1, D>(qg, ktc, sj);
           }
         }
         const int64_t units = (seen + 31) / 32;  // 32-key steps of P . V
         const int p_chunks = static_cast<int>(2 * units);  // the 16-key chunks of p they read
         for (int64_t g = 0; g < groups; ++g) softmax(m0 + g * V, s + g * V * BLOCK, p + g * V * BLOCK, p_chunks);
         if (groups == 2)
-          amx_pv_pair<D>(p, p + V * BLOCK, vb, units, acc + m0 * D, acc + (m0 + V) * D);
+          amx_pv<2, D>(p, vb, units, acc + m0 * D);
         else
-          amx_pv<D>(p, vb, units, acc + m0 * D);
+          amx_pv<1, D>(p, vb, units, acc + m0 * D);
         m0 += groups * V;
       }
     }
