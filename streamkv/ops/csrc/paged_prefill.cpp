@@ -343,6 +343,7 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 //   scores:  0, 1  S of group 0 [16 vectors x 16 keys] fp32, one or two 16-key chunks of a 64-key tile;  2, 3  group 1
 //            4, 5  A: each group's bf16 queries, 32 dims (a row of 64 bytes; q_buf holds them end to end)
 //            6, 7  B: kt's rows for 16 dim pairs x 16 keys (load_tile_bf16's layout is the tile's (k, k+1) pairs)
+//            (at head dim 64, amx_scores_resident: 0-3 the groups' queries for the whole block, 4, 5 S, 6, 7 B)
 //   P . V:   0, 1  group 0's fp32 sums for 32 dims, loaded from acc once a block and stored back;  2, 3  group 1
 //            4, 5  A: each group's P [16 vectors x 32 keys] bf16, the rounded softmax weights
 //            6, 7  B: vb's rows for 16 key pairs x 16 dims
@@ -382,6 +383,36 @@ __attribute__((always_inline)) inline void amx_scores(const at::BFloat16* q, con
   if constexpr (NB > 1) _tile_stored(1, s + 16, BLOCK * 4);
   if constexpr (G > 1) _tile_stored(2, s + V * BLOCK, BLOCK * 4);
   if constexpr (G > 1 && NB > 1) _tile_stored(3, s + V * BLOCK + 16, BLOCK * 4);
+}
+
+// amx_scores over a block's first `seen` keys at head dim 64 (the same sums, bit for bit), with the G groups' queries
+// loaded into tiles 0-3 once for the block rather than once for each pair of chunks: a 16-key chunk then loads only
+// kt's two B tiles from L2 (tiles 4, 5: each group's S; 6, 7: B). A 4,096-token prompt's attention 24.8-25.9 ->
+// 22.9-23.1 ms a layer (docs/benchmarks.md "Round 37").
+template <int G>
+__attribute__((always_inline)) inline void amx_scores_resident(const at::BFloat16* q, const float* kt, float* s,
+                                                               int64_t seen) {
+  constexpr int64_t V = 16, D = 64;
+  _tile_loadd(0, q, D * 2);
+  _tile_loadd(1, q + 32, D * 2);
+  if constexpr (G > 1) {
+    _tile_loadd(2, q + V * D, D * 2);
+    _tile_loadd(3, q + V * D + 32, D * 2);
+  }
+  const int64_t chunks = (seen + 15) / 16;
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const float* b = kt + (ch / 4) * (D / 2) * KEYS + 16 * (ch % 4);
+    _tile_zero(4);
+    if constexpr (G > 1) _tile_zero(5);
+    _tile_loadd(6, b, KEYS * 4);
+    _tile_dpbf16ps(4, 0, 6);
+    if constexpr (G > 1) _tile_dpbf16ps(5, 2, 6);
+    _tile_loadd(7, b + 16 * KEYS, KEYS * 4);
+    _tile_dpbf16ps(4, 1, 7);
+    if constexpr (G > 1) _tile_dpbf16ps(5, 3, 7);
+    _tile_stored(4, s + 16 * ch, BLOCK * 4);
+    if constexpr (G > 1) _tile_stored(5, s + V * BLOCK + 16 * ch, BLOCK * 4);
+  }
 }
 
 // acc [G * 16 vectors][D] += P [G * 16][BLOCK] bf16 (its first 32 * units keys) . vb (the first 16 * units key
@@ -526,15 +557,22 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
         const int64_t groups = m0 + 2 * V <= padded ? 2 : 1;
         const int64_t seen = std::min<int64_t>(n, pos[m0 + groups * V - 1] - k0 + 1);
         const at::BFloat16* qg = q + m0 * D;
-        for (int64_t j = 0; j * KEYS < seen; ++j) {
-          const int chunks = static_cast<int>((std::min<int64_t>(KEYS, seen - j * KEYS) + 15) / 16);
-          for (int c = 0; c < chunks; c += 2) {
-            const float* ktc = kt + j * (D / 2) * KEYS + 16 * c;
-            float* sj = s + j * KEYS + 16 * c;
-            if (groups == 2)
-              c + 1 < chunks ? amx_scores<2, 2, D>(qg, ktc, sj) : amx_scores<2, 1, D>(qg, ktc, sj);
-            else
-              c + 1 < chunks ? amx_scores<1, 2, D>(qg, ktc, sj) : amx_scores<1, 1, D>(qg, ktc, sj);
+        if constexpr (C == 4) {  // the groups' queries fit in four tiles: kept there for the block
+          if (groups == 2)
+            amx_scores_resident<2>(qg, kt, s, seen);
+          else
+            amx_scores_resident<1>(qg, kt, s, seen);
+        } else {  // head dim 128: two groups' queries are eight tiles, loaded again for each pair of chunks
+          for (int64_t j = 0; j * KEYS < seen; ++j) {
+            const int chunks = static_cast<int>((std::min<int64_t>(KEYS, seen - j * KEYS) + 15) / 16);
+            for (int c = 0; c < chunks; c += 2) {
+              const float* ktc = kt + j * (D / 2) * KEYS + 16 * c;
+              float* sj = s + j * KEYS + 16 * c;
+              if (groups == 2)
+                c + 1 < chunks ? amx_scores<2, 2, D>(qg, ktc, sj) : amx_scores<2, 1, D>(qg, ktc, sj);
+              else
+                c + 1 < chunks ? amx_scores<1, 2, D>(qg, ktc, sj) : amx_scores<1, 1, D>(qg, ktc, sj);
+            }
           }
         }
         const int64_t units = (seen + 31) / 32;  // 32-key steps of P . V
