@@ -688,11 +688,14 @@ void for_each_tile(const int32_t* starts, const int32_t* lens, int64_t num_seqs,
 // Tiles of query rows: up to 256, as large as keeps every thread busy (a K/V tile load serves rows x G vectors, and
 // each task lays out every K/V tile up to its last row anew; 64 rows against 32: bf16 32 x 128 tokens 1.95 -> 1.73 ms
 // a layer, fp32 3.6 -> 3.4, docs/benchmarks.md "Round 17"; 256 against 64: a 4,096-token prompt on AMX tiles 29.0 ->
-// 27.3 ms, in fp32 96 -> 88, "Round 36").
+// 27.3 ms, in fp32 96 -> 88, "Round 36"). Each task reads its whole context from the pool, so a short chunk over a
+// long context split into many tasks reads it many times: 2 tasks a thread, not 4, took a follow-up turn of 30 / 100
+// tokens over 4,000 cached ones 1.0 -> 0.66 / 1.7 -> 1.4 ms a layer on AMX tiles, and fp32 2.4 -> 2.1 / 5.5 -> 5.0
+// ("Round 37"); 1 a thread was slower in fp32, whose tasks are compute-bound.
 std::vector<Task> make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads,
                              int64_t* max_rows) {
   const int64_t threads = at::get_num_threads();
-  // Halved while threads would wait on each other: fewer than 4 tasks a thread, or one task costlier than a
+  // Halved while threads would wait on each other: fewer than 2 tasks a thread, or one task costlier than a
   // thread's share of the batch (a long prompt beside many short ones, on many threads).
   int64_t tile = 256;
   for (; tile > 4; tile /= 2) {
@@ -703,7 +706,7 @@ std::vector<Task> make_tasks(const int32_t* starts, const int32_t* lens, int64_t
       largest = std::max(largest, cost);
       total += cost * num_kv_heads;
     });
-    if (n >= 4 * threads && largest * threads <= total) break;
+    if (n >= 2 * threads && largest * threads <= total) break;
   }
   std::vector<Task> tasks;
   *max_rows = 0;
