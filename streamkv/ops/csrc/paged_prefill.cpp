@@ -387,8 +387,8 @@ __attribute__((always_inline)) inline void amx_scores(const at::BFloat16* q, con
 
 // amx_scores over a block's first `seen` keys at head dim 64 (the same sums, bit for bit), with the G groups' queries
 // loaded into tiles 0-3 (0-1 for G = 1) once per call, that is once per block and pair of groups, rather than once for
-// each pair of chunks: a 16-key chunk then loads only kt's two B tiles from L2 (tiles 4, 5: each group's S; 6, 7: B). A 4,096-token prompt's attention 24.8-25.9 ->
-// 22.9-23.1 ms a layer (docs/benchmarks.md "Round 37").
+// each pair of chunks: a 16-key chunk then loads only kt's two B tiles from L2 (tiles 4, 5: each group's S; 6, 7: B).
+// A 4,096-token prompt's attention 24.8-25.9 -> 22.9-23.1 ms a layer (docs/benchmarks.md "Round 37").
 template <int G>
 __attribute__((always_inline)) inline void amx_scores_resident(const at::BFloat16* q, const float* kt, float* s,
                                                                int64_t seen) {
