@@ -442,6 +442,60 @@ def test_bf16_prefill_rows_are_the_same_in_any_batch(
             torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not AMX_PREFILL, reason=NEEDS_AMX)
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [(64, 9, 3), (128, 8, 2)])
+def test_amx_prefill_rows_are_the_same_with_their_context_split_by_keys(
+    threads: int, head_dim: int, num_heads: int, num_kv_heads: int
+) -> None:
+    # Past 2,048 keys the AMX kernel restarts a row's softmax at every partition edge (2,048, 4,096) and merges the
+    # partitions' partials in order, whether one task reads them all or a short chunk's context is split by its keys
+    # across tasks: a row's bits must not depend on which, or a follow-up turn would differ from its prompt
+    # recomputed. 4,500 tokens are three partitions; chunks of 30, 100 and 256 rows over them are split by keys on 2
+    # and 4 threads (their tiles of rows would each read the whole context), not on one thread, and never a chunk of
+    # 300 rows. Shuffled blocks of a NaN-poisoned pool; the rows also against float64 attention.
+    gen = torch.Generator().manual_seed(head_dim + threads)
+    n = 4500
+    blocks = -(-n // 16)
+    cache = torch.full((2, blocks + 3, 16, num_kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    table = torch.randperm(blocks + 3, generator=gen)[:blocks].to(torch.int32)[None]
+    slots = table[0, torch.arange(n) // 16].long() * 16 + torch.arange(n) % 16
+    kv = torch.randn(2, n, num_kv_heads, head_dim, generator=gen).bfloat16()
+    cache.view(2, -1, num_kv_heads, head_dim)[:, slots] = kv
+    q = torch.randn(n, num_heads, head_dim, generator=gen).bfloat16()
+    ops = cpu_paged.load_cpu_ops()
+    scale = head_dim**-0.5
+
+    def prefill(query: torch.Tensor, rows: list[int], seq_lens: list[int]) -> torch.Tensor:
+        out = torch.empty_like(query)
+        starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+        tables = table.expand(len(rows), -1).contiguous()
+        ops.paged_prefill(out, query, cache, tables, torch.tensor(seq_lens, dtype=torch.int32), starts, scale)
+        return out
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with amx_kernels(True):
+            alone = prefill(q, [n], [n])
+            for rows in (30, 100, 256, 300):
+                assert torch.equal(prefill(q[n - rows :], [rows], [n]), alone[n - rows :])
+            both = prefill(torch.cat([q[n - 30 :], q[:50]]), [30, 50], [n, 50])  # beside another sequence's prompt
+            assert torch.equal(both[:30], alone[n - 30 :]) and torch.equal(both[30:], alone[:50])
+    finally:
+        torch.set_num_threads(before)
+    group = num_heads // num_kv_heads
+    keys, values = (x.double().repeat_interleave(group, 1) for x in kv)
+    rows = torch.tensor([100, 2047, 2048, 3000, 4095, 4096, n - 1])  # either side of each partition edge
+    scores = torch.einsum("rhd,khd->hrk", q[rows].double(), keys) * scale
+    scores.masked_fill_(torch.arange(n)[None, None, :] > rows[None, :, None], float("-inf"))
+    ref = torch.einsum("hrk,khd->rhd", scores.softmax(-1), values)
+    # Per (row, head), relative to the output's size (bf16 rounds the output and the weights; a partition left out or
+    # weighed wrongly is an error of order 1).
+    error = (alone[rows].double() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(error.max()) < 1e-2
+
+
 @pytest.mark.parametrize("amx", [False, True])
 def test_bf16_prefill_with_a_negative_scale_matches_the_torch_path(amx: bool) -> None:
     # The AMX kernel takes the block max over the raw scores, which is the scaled max only for scale > 0;

@@ -5,7 +5,8 @@
 // are already in the pool (write_kv runs first), so every key, cached or new, is read from the blocks.
 // Sequences with query_len == 1 (decodes) are left to paged_decode: their out rows are not written.
 //
-// One task per (sequence, KV head, tile of query rows). A tile's M = rows x G query vectors
+// One task per (sequence, KV head, tile of query rows; on AMX tiles, for a short chunk over a long context, and
+// partition of its keys: make_tasks). A tile's M = rows x G query vectors
 // (vector m = row m / G, query head h * G + m % G) share each load of K and V (kv_tile.h):
 //
 //   for each 64-key tile of the context, up to the tile's last position:
@@ -36,7 +37,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -49,7 +52,21 @@ struct Task {
   int64_t row0;   // first query row of the tile, within the sequence's chunk
   int64_t rows;   // query rows in the tile
   int64_t cost;   // keys x rows it reads, to run the longest first
+  // A key split (prefill_amx alone): the task reads keys [k_begin, k_end), one partition, and stores its rows'
+  // partials at this offset of the scratch for merge_partials. Otherwise it reads every key its rows see and writes
+  // their out rows itself.
+  int64_t k_begin = 0;
+  int64_t k_end = std::numeric_limits<int64_t>::max();
+  int64_t partial = -1;
 };
+
+// Keys per partition (prefill_amx): each row's softmax state restarts at every multiple of PARTITION and the
+// partitions' partials are merged in order (merge_partial), in a task that reads them all or across key-split tasks
+// alike, so a row's result depends on the fixed partition edges alone. A short chunk over a long context can then be
+// split by its keys (make_tasks), so the context is read once rather than once for each tile of its rows. 2,048
+// rather than 1,024: the restarts cost a 4,096-token prompt's attention 4-5% at 1,024, 1-3% at 2,048
+// (docs/benchmarks.md "Round 38").
+constexpr int64_t PARTITION = 2048;
 
 // Runs tasks[i] for every i, longest first, on all threads (a shared counter: dynamic scheduling).
 template <typename F>
@@ -150,14 +167,85 @@ TaskVectors<qv_t> task_vectors(const Layout<q_t, kv_t>& L, const Task& t, int64_
   return v;
 }
 
-// Every real vector's output row: acc / sum, rounded to the query's dtype.
+// An output row: acc / sum, rounded to the query's dtype.
+template <int64_t D, typename q_t>
+inline void write_row(q_t* dst, const float* acc, float sum) {
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<q_t>(acc[i] * inv);
+}
+
+// Every real vector's output row.
 template <int64_t D, typename qv_t, typename q_t, typename kv_t>
 void write_task_out(const Layout<q_t, kv_t>& L, const Task& t, const TaskVectors<qv_t>& v) {
-  for (int64_t m = 0; m < v.vectors; ++m) {
-    const float inv = 1.f / v.sums[m];
-    q_t* dst = L.out_row(v.start + t.row0 + m / L.group, t.kv_head * L.group + m % L.group);
-    for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<q_t>(v.acc[m * D + i] * inv);
-  }
+  for (int64_t m = 0; m < v.vectors; ++m)
+    write_row<D>(L.out_row(v.start + t.row0 + m / L.group, t.kv_head * L.group + m % L.group), v.acc + m * D,
+                 v.sums[m]);
+}
+
+// Merging a row's softmax state (max M, sum L, accumulators A [D]) with a partition's partial (m, l, a), as
+// flash-decoding merges its splits (Dao et al., "Flash-Decoding for long-context inference", 2023):
+//   M' = max(M, m),  L = L e^(M - M') + l e^(m - M'),  A = A e^(M - M') + a e^(m - M').
+// A partition the row sees none of (m = -inf) leaves the state as it was. merge_factors takes 16 rows' (M, m) in its
+// lanes and gives M', e^(M - M') and e^(m - M') (exp16 is lane for lane, so one row's are the same bits in any lane);
+// L = fma(l, cb, L ca). Both callers (a task's own partitions in prefill_amx, merge_partials across key-split tasks)
+// go through these, so their roundings are the same.
+inline void merge_factors(__m512 M, __m512 m, __m512& top, __m512& ca, __m512& cb) {
+  top = _mm512_max_ps(M, m);
+  ca = exp16(_mm512_sub_ps(M, top));
+  cb = exp16(_mm512_sub_ps(m, top));
+}
+
+template <int64_t D>
+inline void merge_acc(float* A, const float* a, float ca, float cb) {
+  const __m512 va = _mm512_set1_ps(ca), vb = _mm512_set1_ps(cb);
+  for (int64_t i = 0; i < D; i += 16)
+    _mm512_storeu_ps(A + i, _mm512_fmadd_ps(_mm512_loadu_ps(a + i), vb, _mm512_mul_ps(_mm512_loadu_ps(A + i), va)));
+}
+
+template <int64_t D>
+inline void merge_partial(float& M, float& L, float* A, float m, float l, const float* a) {
+  if (m == -std::numeric_limits<float>::infinity()) return;
+  __m512 top, ca, cb;
+  merge_factors(_mm512_set1_ps(M), _mm512_set1_ps(m), top, ca, cb);
+  L = _mm512_cvtss_f32(_mm512_fmadd_ps(_mm512_set1_ps(l), cb, _mm512_mul_ps(_mm512_set1_ps(L), ca)));
+  merge_acc<D>(A, a, _mm512_cvtss_f32(ca), _mm512_cvtss_f32(cb));
+  M = _mm512_cvtss_f32(top);
+}
+
+// A key-split sequence (make_tasks): partition p's partial of its chunk's vector m (row m / group, query head
+// h * group + m % group) for KV head h sits at base + ((p * kv_heads + h) * vectors + m) * (D + 2): acc [D], max, sum;
+// parts: the partitions of its last row (a row sees those up to its own position / PARTITION).
+struct Split {
+  int64_t seq, parts, base, vectors;
+};
+
+// The out rows of every key-split sequence: each row's partials merged in partition order.
+template <int64_t D, typename q_t, typename kv_t>
+void merge_partials(const Layout<q_t, kv_t>& L, const std::vector<Split>& splits, const float* scratch,
+                    int64_t kv_heads) {
+  std::vector<std::pair<int64_t, int64_t>> rows;  // (split, row)
+  for (size_t i = 0; i < splits.size(); ++i)
+    for (int64_t r = 0; r < splits[i].vectors / L.group; ++r) rows.emplace_back(i, r);
+  at::parallel_for(0, static_cast<int64_t>(rows.size()), 8, [&](int64_t lo, int64_t hi) {
+    alignas(64) float acc[D];
+    for (int64_t i = lo; i < hi; ++i) {
+      const Split& sp = splits[rows[i].first];
+      const int64_t r = rows[i].second;
+      // The row's position: its tile's tasks stored the partitions up to its own (and past it, never read).
+      const int64_t pos = L.seq_lens[sp.seq] - sp.vectors / L.group + r;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t g = 0; g < L.group; ++g) {
+          const int64_t m = r * L.group + g;
+          auto slot = [&](int64_t p) { return scratch + sp.base + ((p * kv_heads + h) * sp.vectors + m) * (D + 2); };
+          std::memcpy(acc, slot(0), D * sizeof(float));
+          float max = slot(0)[D], sum = slot(0)[D + 1];
+          for (int64_t p = 1; p <= pos / PARTITION; ++p)
+            merge_partial<D>(max, sum, acc, slot(p)[D], slot(p)[D + 1], slot(p));
+          write_row<D>(L.out_row(L.starts[sp.seq] + r, h * L.group + g), acc, sum);
+        }
+      }
+    }
+  });
 }
 
 // Scores of R query vectors (from q + m0 * D) against the first KN 16-key chunks of a tile (kt, see
@@ -352,10 +440,13 @@ void prefill_avx512(const Layout<q_t, kv_t>& L, const std::vector<Task>& tasks, 
 // zero, as vdpbf16ps does. A vector's result depends only on its own row of each tile and on the block
 // boundaries, which sit at fixed positions (0, 512, ...), so it is the same in any task split, batch and chunk.
 // Key pairs past the block's last key are zeroed in vb before a P . V step can read them (their weights are 0,
-// and 0 x NaN would not be).
+// and 0 x NaN would not be). A row's softmax restarts at each PARTITION edge (2,048 keys: four blocks), its partitions
+// merged in order by merge_partial in the task or, for a key-split task's one partition, by merge_partials after all
+// tasks: a key split is again a fixed boundary, and the result the same in any split.
 constexpr int SUBTILES = 8;                  // 64-key tiles per softmax block
 constexpr int64_t BLOCK = SUBTILES * KEYS;   // keys per softmax block
 constexpr int BLOCK_CHUNKS = BLOCK / 16;     // 16-key chunks per block
+static_assert(PARTITION % BLOCK == 0, "a partition is whole softmax blocks");
 
 // S [G * 16 vectors][NB * 16 keys] (row stride BLOCK floats; group g's queries at q + g * 16 * D, its scores at
 // s + g * 16 * BLOCK) = q . kt for NB (1 or 2) 16-key chunks from kt, summed over the dim pairs in order from zero.
@@ -451,7 +542,7 @@ __attribute__((always_inline)) inline void amx_pv(const uint16_t* p, const float
 
 template <int C>
 void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<Task>& tasks, int64_t max_rows,
-                 float scale) {
+                 float scale, float* scratch) {
   constexpr int64_t D = 16 * C;
   constexpr int64_t V = 16;  // query vectors per tile
   const int64_t max_vectors = (max_rows * L.group + V - 1) / V * V;
@@ -471,11 +562,59 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
     float* __restrict vb = v.vb;  // [BLOCK / 2][D] dwords: the tiles' key pairs end to end
     const int64_t* __restrict pos = v.pos;
     const int64_t padded = v.padded;
+    // acc, maxes and sums hold the softmax state of the current partition's keys. At its end (PARTITION) a task that
+    // reads every key merges them into its rows' running state (racc, rmax, rsum: the first partition copied, as the
+    // merge into an empty state would give it; a task of one partition writes its rows from acc) and a key-split task
+    // stores them in the scratch; then they restart.
+    thread_local std::vector<float> run_buf;
+    run_buf.resize(max_vectors * (D + 2));
+    float* __restrict racc = run_buf.data();
+    float* __restrict rmax = racc + max_vectors * D;
+    float* __restrict rsum = rmax + max_vectors;
+    bool first_partition = true, single = true;
+    auto end_partition = [&](bool last_one) {
+      if (t.partial >= 0) {
+        for (int64_t m = 0; m < v.vectors; ++m) {
+          float* slot = scratch + t.partial + m * (D + 2);
+          std::memcpy(slot, acc + m * D, D * sizeof(float));
+          slot[D] = maxes[m], slot[D + 1] = sums[m];
+        }
+        return;  // a key-split task's only partition
+      }
+      if (first_partition) {
+        if (last_one) return;  // the one partition: the state is the result (out_acc, out_sums)
+        std::memcpy(racc, acc, v.vectors * D * sizeof(float));
+        std::memcpy(rmax, maxes, v.vectors * sizeof(float));
+        std::memcpy(rsum, sums, v.vectors * sizeof(float));
+      } else {  // merge_partial, 16 vectors' factors at a time
+        const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t m0 = 0; m0 < v.vectors; m0 += 16) {
+          const __m512 m = _mm512_loadu_ps(maxes + m0);
+          const __mmask16 k = lanes_below(v.vectors - m0) & _mm512_cmp_ps_mask(m, none, _CMP_NEQ_OQ);
+          __m512 top, ca, cb;
+          merge_factors(_mm512_loadu_ps(rmax + m0), m, top, ca, cb);
+          const __m512 l =
+              _mm512_fmadd_ps(_mm512_loadu_ps(sums + m0), cb, _mm512_mul_ps(_mm512_loadu_ps(rsum + m0), ca));
+          _mm512_mask_storeu_ps(rsum + m0, k, l);
+          _mm512_mask_storeu_ps(rmax + m0, k, top);
+          alignas(64) float fa[16], fb[16];
+          _mm512_store_ps(fa, ca), _mm512_store_ps(fb, cb);
+          for (int i = 0; i < 16; ++i)
+            if ((k >> i) & 1) merge_acc<D>(racc + (m0 + i) * D, acc + (m0 + i) * D, fa[i], fb[i]);
+        }
+      }
+      first_partition = false;
+      single = false;
+      if (last_one) return;
+      std::fill(acc, acc + padded * D, 0.f);
+      std::fill(maxes, maxes + padded, -std::numeric_limits<float>::infinity());
+      std::fill(sums, sums + padded, 0.f);
+    };
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
     load_tiles(cfg);
-    const int64_t last = pos[padded - 1];
-    for (int64_t k0 = 0; k0 <= last; k0 += BLOCK) {
+    const int64_t last = std::min(pos[padded - 1], t.k_end - 1);
+    for (int64_t k0 = t.k_begin; k0 <= last; k0 += BLOCK) {
       const int64_t n = std::min<int64_t>(BLOCK, last + 1 - k0);  // keys of this block any vector may see
       for (int64_t j = 0; j * KEYS < n; ++j)
         load_tile_bf16<C>(L, t.seq, t.kv_head, k0 + j * KEYS, std::min<int64_t>(KEYS, n - j * KEYS),
@@ -584,9 +723,13 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
           amx_pv<1, D>(p, vb, units, acc + m0 * D);
         m0 += groups * V;
       }
+      if (k0 + BLOCK > last || (k0 + BLOCK) % PARTITION == 0) end_partition(k0 + BLOCK > last);
     }
     _tile_release();
-    write_task_out<D>(L, t, v);
+    if (t.partial < 0)
+      for (int64_t m = 0; m < v.vectors; ++m)
+        write_row<D>(L.out_row(v.start + t.row0 + m / L.group, t.kv_head * L.group + m % L.group),
+                     (single ? acc : racc) + m * D, single ? sums[m] : rsum[m]);
   });
 }
 #endif
@@ -685,6 +828,13 @@ void for_each_tile(const int32_t* starts, const int32_t* lens, int64_t num_seqs,
   }
 }
 
+struct TaskPlan {
+  std::vector<Task> tasks;
+  int64_t max_rows = 0;
+  std::vector<Split> splits;  // the key-split sequences
+  int64_t scratch = 0;        // floats of their partials
+};
+
 // Tiles of query rows: up to 256, as large as keeps every thread busy (a K/V tile load serves rows x G vectors, and
 // each task lays out every K/V tile up to its last row anew; 64 rows against 32: bf16 32 x 128 tokens 1.95 -> 1.73 ms
 // a layer, fp32 3.6 -> 3.4, docs/benchmarks.md "Round 17"; 256 against 64: a 4,096-token prompt on AMX tiles 29.0 ->
@@ -692,30 +842,97 @@ void for_each_tile(const int32_t* starts, const int32_t* lens, int64_t num_seqs,
 // long context split into many tasks reads it many times: 2 tasks a thread, not 4, took a follow-up turn of 30 / 100
 // tokens over 4,000 cached ones 1.0 -> 0.66 / 1.7 -> 1.4 ms a layer on AMX tiles, and fp32 2.4 -> 2.1 / 5.5 -> 5.0
 // ("Round 37"); 1 a thread was slower in fp32, whose tasks are compute-bound.
-std::vector<Task> make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads,
-                             int64_t* max_rows) {
+// key_split (the kernel is prefill_amx): a chunk of up to MAX_TILE rows over more than a partition, which the tiles of
+// rows alone would split, may be split by its keys as well (below). slot: floats of one vector's partial (D + 2).
+TaskPlan make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads, int64_t group,
+                    bool key_split, int64_t slot) {
+  constexpr int64_t MAX_TILE = 256;
   const int64_t threads = at::get_num_threads();
+  TaskPlan plan;
+  std::vector<int64_t> split_of(num_seqs, -1);  // index into plan.splits
+  // f(task without its KV head) for every task of the tiles of up to `tile` rows.
+  auto each_task = [&](int64_t tile, auto&& f) {
+    for_each_tile(starts, lens, num_seqs, tile, [&](int64_t b, int64_t ctx0, int64_t r0, int64_t rows) {
+      const int64_t seen = ctx0 + r0 + rows;  // keys the tile's last row sees
+      if (split_of[b] < 0) return f(Task{b, 0, r0, rows, seen * rows});
+      const Split& sp = plan.splits[split_of[b]];
+      for (int64_t k_begin = 0, p = 0; k_begin < seen; k_begin += PARTITION, ++p) {
+        const int64_t k_end = std::min(seen, k_begin + PARTITION);
+        f(Task{b, 0, r0, rows, (k_end - k_begin) * rows, k_begin, k_end,
+               sp.base + (p * num_kv_heads * sp.vectors + r0 * group) * slot});
+      }
+    });
+  };
   // Halved while threads would wait on each other: fewer than 2 tasks a thread, or one task costlier than a
   // thread's share of the batch (a long prompt beside many short ones, on many threads).
-  int64_t tile = 256;
-  for (; tile > 4; tile /= 2) {
-    int64_t n = 0, largest = 0, total = 0;
-    for_each_tile(starts, lens, num_seqs, tile, [&](int64_t, int64_t ctx0, int64_t r0, int64_t rows) {
-      const int64_t cost = (ctx0 + r0 + rows) * rows;
-      n += num_kv_heads;
-      largest = std::max(largest, cost);
-      total += cost * num_kv_heads;
+  auto choose_tile = [&]() {
+    int64_t tile = MAX_TILE;
+    for (; tile > 4; tile /= 2) {
+      int64_t n = 0, largest = 0, total = 0;
+      each_task(tile, [&](const Task& t) {
+        n += num_kv_heads;
+        largest = std::max(largest, t.cost);
+        total += t.cost * num_kv_heads;
+      });
+      if (n >= 2 * threads && largest * threads <= total) break;
+    }
+    return tile;
+  };
+  // The threads' finish time of the tasks of a tile size, longest first onto the least loaded thread as run_tasks
+  // takes them, a task costing its keys x (rows + READ_ROWS): reading and laying out a key costs about as much as
+  // scoring and weighing it for 8 rows of 3 query heads (the follow-up turns of docs/benchmarks.md "Round 38").
+  constexpr int64_t READ_ROWS = 8;
+  auto finish = [&](int64_t size) {
+    std::vector<int64_t> costs;
+    each_task(size, [&](const Task& t) {
+      const int64_t keys = t.partial >= 0 ? t.k_end - t.k_begin : t.cost / t.rows;
+      costs.insert(costs.end(), num_kv_heads, keys * (t.rows + READ_ROWS));
     });
-    if (n >= 2 * threads && largest * threads <= total) break;
+    std::sort(costs.begin(), costs.end(), std::greater<>());
+    std::vector<int64_t> load(threads, 0);
+    for (int64_t c : costs) *std::min_element(load.begin(), load.end()) += c;
+    return *std::max_element(load.begin(), load.end());
+  };
+  int64_t tile = choose_tile();
+  // A chunk of up to MAX_TILE rows that the tiles split (each tile reading its whole context) over more than a
+  // partition is split by keys too, a task for each (KV head, tile, partition the tile's last row sees), where that
+  // finishes sooner: a partition of a few keys beside a whole one can leave a thread waiting longer than a second read
+  // costs. A 30-token follow-up turn over 4,000 cached tokens 0.57 -> 0.46 ms a layer, over 8,000 1.30 -> 0.96
+  // (bf16 on AMX tiles, docs/benchmarks.md "Round 38").
+  for (int64_t b = 0; key_split && b < num_seqs; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    if (q_len <= tile || q_len > MAX_TILE || lens[b] <= PARTITION) continue;
+    split_of[b] = static_cast<int64_t>(plan.splits.size());
+    const Split sp{b, (lens[b] + PARTITION - 1) / PARTITION, plan.scratch, q_len * group};
+    plan.splits.push_back(sp);
+    plan.scratch += sp.parts * num_kv_heads * sp.vectors * slot;
   }
-  std::vector<Task> tasks;
-  *max_rows = 0;
-  for_each_tile(starts, lens, num_seqs, tile, [&](int64_t b, int64_t ctx0, int64_t r0, int64_t rows) {
-    *max_rows = std::max(*max_rows, rows);
-    for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({b, h, r0, rows, (ctx0 + r0 + rows) * rows});
+  if (!plan.splits.empty()) {
+    const int64_t split_tile = choose_tile();
+    if (finish(split_tile) < [&] {
+          std::vector<int64_t> kept(split_of);
+          std::fill(split_of.begin(), split_of.end(), -1);
+          const int64_t rows_only = finish(tile);
+          split_of = kept;
+          return rows_only;
+        }()) {
+      tile = split_tile;
+    } else {
+      std::fill(split_of.begin(), split_of.end(), -1);
+      plan.splits.clear(), plan.scratch = 0;
+    }
+  }
+  each_task(tile, [&](const Task& t) {
+    plan.max_rows = std::max(plan.max_rows, t.rows);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      Task task = t;
+      task.kv_head = h;
+      if (task.partial >= 0) task.partial += h * plan.splits[split_of[t.seq]].vectors * slot;
+      plan.tasks.push_back(task);
+    }
   });
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
-  return tasks;
+  std::stable_sort(plan.tasks.begin(), plan.tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  return plan;
 }
 
 }  // namespace
@@ -753,10 +970,19 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
       TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", b, ": block id ", id, " outside the pool");
     }
   }
-  int64_t max_rows = 0;
-  const std::vector<Task> tasks = make_tasks(starts, lens, num_seqs, kv_cache.size(3), &max_rows);
-  if (tasks.empty()) return;
   const float s = static_cast<float>(scale);
+  const int64_t head_dim = query.size(2), kv_heads = kv_cache.size(3);
+  // prefill_amx's case below: the one kernel that splits a chunk by its keys.
+  bool amx_kernel = false;
+#if defined(STREAMKV_AMX) && defined(__AVX512BF16__)
+  amx_kernel = query.scalar_type() == at::kBFloat16 && kv_type == at::kBFloat16 && amx_on() && s > 0 &&
+               (head_dim == 64 || head_dim == 128);
+#endif
+  const TaskPlan plan =
+      make_tasks(starts, lens, num_seqs, kv_heads, query.size(1) / kv_heads, amx_kernel, head_dim + 2);
+  const std::vector<Task>& tasks = plan.tasks;
+  const int64_t max_rows = plan.max_rows;
+  if (tasks.empty()) return;
   dispatch_dtypes(query.scalar_type(), kv_type, [&]<typename q_t, typename kv_t>() {
     const Layout<q_t, kv_t> layout(out, query, kv_cache, block_tables, seq_lens, query_start_loc);
 #if defined(__AVX512F__)
@@ -767,8 +993,17 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
 #endif
 #if defined(STREAMKV_AMX)
     if constexpr (dot) {
-      if (amx_on() && s > 0 && query.size(2) == 64) return prefill_amx<4>(layout, tasks, max_rows, s);
-      if (amx_on() && s > 0 && query.size(2) == 128) return prefill_amx<8>(layout, tasks, max_rows, s);
+      if (amx_kernel) {
+        std::unique_ptr<float[]> scratch(new float[plan.scratch]);
+        if (head_dim == 64) {
+          prefill_amx<4>(layout, tasks, max_rows, s, scratch.get());
+          merge_partials<64>(layout, plan.splits, scratch.get(), kv_heads);
+        } else {
+          prefill_amx<8>(layout, tasks, max_rows, s, scratch.get());
+          merge_partials<128>(layout, plan.splits, scratch.get(), kv_heads);
+        }
+        return;
+      }
     }
 #endif
     switch (query.size(2)) {
