@@ -104,8 +104,9 @@ def test_each_build_folder_is_keyed_by_its_sources_and_every_header_they_include
 @pytest.mark.timeout(300)
 def test_the_sources_compile_for_cpus_without_amx_or_avx512() -> None:
     """-march=native builds only this CPU's branches: a name defined under one ISA's #if and used outside it breaks
-    other CPUs' builds unseen here (round 33's fused gate_up did, on AVX-512 without BF16). Syntax only, in
-    parallel: Ice Lake (AVX-512 with VNNI, no BF16) and Haswell (AVX2)."""
+    other CPUs' builds unseen here (round 33's fused gate_up did, on AVX-512 without BF16, and round 38's key split of
+    the prefill attention on AVX2). Syntax only, in parallel: Ice Lake (AVX-512 with VNNI, no BF16) and Haswell
+    (AVX2)."""
     import shutil
     import subprocess
     import sysconfig
@@ -122,7 +123,7 @@ def test_the_sources_compile_for_cpus_without_amx_or_avx512() -> None:
         (source, arch): subprocess.Popen(
             [compiler, *flags, f"-march={arch}", str(csrc / source)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
-        for source in ("small_linear.cpp", "fused_layers.cpp")
+        for source in ("small_linear.cpp", "fused_layers.cpp", "paged_attention.cpp", "paged_prefill.cpp")
         for arch in ("icelake-server", "haswell")
     }
     outputs = {key: job.communicate(timeout=280)[0].decode()[-2000:] for key, job in jobs.items()}

@@ -451,9 +451,10 @@ def test_amx_prefill_rows_are_the_same_with_their_context_split_by_keys(
     # Past 2,048 keys the AMX kernel restarts a row's softmax at every partition edge (2,048, 4,096) and merges the
     # partitions' partials in order, whether one task reads them all or a short chunk's context is split by its keys
     # across tasks: a row's bits must not depend on which, or a follow-up turn would differ from its prompt
-    # recomputed. 4,500 tokens are three partitions; chunks of 30, 100 and 256 rows over them are split by keys on 2
-    # and 4 threads (their tiles of rows would each read the whole context), not on one thread, and never a chunk of
-    # 300 rows. Shuffled blocks of a NaN-poisoned pool; the rows also against float64 attention.
+    # recomputed. 4,500 tokens are three partitions. A chunk of 30 rows over them is split by keys on 2 and 4 threads
+    # (its tiles of rows would each read the whole context), not on one; 100 and 256 rows where make_tasks' finish
+    # times say so; 300 rows never. Chunks of 100 rows across the edges at 2,048 and 4,096 (rows that see none of the
+    # last partition). Shuffled blocks of a NaN-poisoned pool; the rows also against float64 attention.
     gen = torch.Generator().manual_seed(head_dim + threads)
     n = 4500
     blocks = -(-n // 16)
@@ -480,6 +481,8 @@ def test_amx_prefill_rows_are_the_same_with_their_context_split_by_keys(
             alone = prefill(q, [n], [n])
             for rows in (30, 100, 256, 300):
                 assert torch.equal(prefill(q[n - rows :], [rows], [n]), alone[n - rows :])
+            for end in (2100, 4150):
+                assert torch.equal(prefill(q[end - 100 : end], [100], [end]), alone[end - 100 : end])
             both = prefill(torch.cat([q[n - 30 :], q[:50]]), [30, 50], [n, 50])  # beside another sequence's prompt
             assert torch.equal(both[:30], alone[n - 30 :]) and torch.equal(both[30:], alone[:50])
     finally:

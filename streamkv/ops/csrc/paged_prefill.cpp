@@ -39,7 +39,6 @@
 #include <cstring>
 #include <functional>
 #include <limits>
-#include <memory>
 #include <vector>
 
 namespace {
@@ -67,6 +66,13 @@ struct Task {
 // rather than 1,024: the restarts cost a 4,096-token prompt's attention 4-5% at 1,024, 1-3% at 2,048
 // (docs/benchmarks.md "Round 38").
 constexpr int64_t PARTITION = 2048;
+
+// A key-split sequence (make_tasks): partition p's partial of its chunk's vector m (row m / group, query head
+// h * group + m % group) for KV head h sits at base + ((p * kv_heads + h) * vectors + m) * (D + 2): acc [D], max, sum;
+// parts: the partitions of its last row (a row sees those up to its own position / PARTITION).
+struct Split {
+  int64_t seq, parts, base, vectors;
+};
 
 // Runs tasks[i] for every i, longest first, on all threads (a shared counter: dynamic scheduling).
 template <typename F>
@@ -211,13 +217,6 @@ inline void merge_partial(float& M, float& L, float* A, float m, float l, const 
   merge_acc<D>(A, a, _mm512_cvtss_f32(ca), _mm512_cvtss_f32(cb));
   M = _mm512_cvtss_f32(top);
 }
-
-// A key-split sequence (make_tasks): partition p's partial of its chunk's vector m (row m / group, query head
-// h * group + m % group) for KV head h sits at base + ((p * kv_heads + h) * vectors + m) * (D + 2): acc [D], max, sum;
-// parts: the partitions of its last row (a row sees those up to its own position / PARTITION).
-struct Split {
-  int64_t seq, parts, base, vectors;
-};
 
 // The out rows of every key-split sequence: each row's partials merged in partition order.
 template <int64_t D, typename q_t, typename kv_t>
@@ -582,15 +581,15 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
         return;  // a key-split task's only partition
       }
       if (first_partition) {
-        if (last_one) return;  // the one partition: the state is the result (out_acc, out_sums)
+        if (last_one) return;  // the one partition: acc and sums are the result
         std::memcpy(racc, acc, v.vectors * D * sizeof(float));
         std::memcpy(rmax, maxes, v.vectors * sizeof(float));
         std::memcpy(rsum, sums, v.vectors * sizeof(float));
-      } else {  // merge_partial, 16 vectors' factors at a time
+      } else {  // merge_partial, 16 vectors' factors at a time (a NaN max is merged, as there)
         const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t m0 = 0; m0 < v.vectors; m0 += 16) {
           const __m512 m = _mm512_loadu_ps(maxes + m0);
-          const __mmask16 k = lanes_below(v.vectors - m0) & _mm512_cmp_ps_mask(m, none, _CMP_NEQ_OQ);
+          const __mmask16 k = lanes_below(v.vectors - m0) & _mm512_cmp_ps_mask(m, none, _CMP_NEQ_UQ);
           __m512 top, ca, cb;
           merge_factors(_mm512_loadu_ps(rmax + m0), m, top, ca, cb);
           const __m512 l =
@@ -847,6 +846,7 @@ struct TaskPlan {
 TaskPlan make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads, int64_t group,
                     bool key_split, int64_t slot) {
   constexpr int64_t MAX_TILE = 256;
+  constexpr int64_t MAX_SCRATCH = int64_t{16} << 20;  // floats of partials (64 MiB), kept by paged_prefill's thread
   const int64_t threads = at::get_num_threads();
   TaskPlan plan;
   std::vector<int64_t> split_of(num_seqs, -1);  // index into plan.splits
@@ -902,8 +902,9 @@ TaskPlan make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs
   for (int64_t b = 0; key_split && b < num_seqs; ++b) {
     const int64_t q_len = starts[b + 1] - starts[b];
     if (q_len <= tile || q_len > MAX_TILE || lens[b] <= PARTITION) continue;
-    split_of[b] = static_cast<int64_t>(plan.splits.size());
     const Split sp{b, (lens[b] + PARTITION - 1) / PARTITION, plan.scratch, q_len * group};
+    if (plan.scratch + sp.parts * num_kv_heads * sp.vectors * slot > MAX_SCRATCH) continue;
+    split_of[b] = static_cast<int64_t>(plan.splits.size());
     plan.splits.push_back(sp);
     plan.scratch += sp.parts * num_kv_heads * sp.vectors * slot;
   }
@@ -994,13 +995,15 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
 #if defined(STREAMKV_AMX)
     if constexpr (dot) {
       if (amx_kernel) {
-        std::unique_ptr<float[]> scratch(new float[plan.scratch]);
+        thread_local std::vector<float> scratch_buf;  // kept between calls: a layer's is the next layer's size
+        if (static_cast<int64_t>(scratch_buf.size()) < plan.scratch) scratch_buf.resize(plan.scratch);
+        float* scratch = scratch_buf.data();
         if (head_dim == 64) {
-          prefill_amx<4>(layout, tasks, max_rows, s, scratch.get());
-          merge_partials<64>(layout, plan.splits, scratch.get(), kv_heads);
+          prefill_amx<4>(layout, tasks, max_rows, s, scratch);
+          merge_partials<64>(layout, plan.splits, scratch, kv_heads);
         } else {
-          prefill_amx<8>(layout, tasks, max_rows, s, scratch.get());
-          merge_partials<128>(layout, plan.splits, scratch.get(), kv_heads);
+          prefill_amx<8>(layout, tasks, max_rows, s, scratch);
+          merge_partials<128>(layout, plan.splits, scratch, kv_heads);
         }
         return;
       }
