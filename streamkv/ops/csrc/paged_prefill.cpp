@@ -39,6 +39,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -846,7 +847,7 @@ struct TaskPlan {
 TaskPlan make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads, int64_t group,
                     bool key_split, int64_t slot) {
   constexpr int64_t MAX_TILE = 256;
-  constexpr int64_t MAX_SCRATCH = int64_t{16} << 20;  // floats of partials (64 MiB), kept by paged_prefill's thread
+  constexpr int64_t MAX_SCRATCH = int64_t{16} << 20;  // floats of partials (64 MiB)
   const int64_t threads = at::get_num_threads();
   TaskPlan plan;
   std::vector<int64_t> split_of(num_seqs, -1);  // index into plan.splits
@@ -995,9 +996,8 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
 #if defined(STREAMKV_AMX)
     if constexpr (dot) {
       if (amx_kernel) {
-        thread_local std::vector<float> scratch_buf;  // kept between calls: a layer's is the next layer's size
-        if (static_cast<int64_t>(scratch_buf.size()) < plan.scratch) scratch_buf.resize(plan.scratch);
-        float* scratch = scratch_buf.data();
+        const std::unique_ptr<float[]> partials(new float[plan.scratch]);  // not zeroed: every slot read is written
+        float* scratch = partials.get();
         if (head_dim == 64) {
           prefill_amx<4>(layout, tasks, max_rows, s, scratch);
           merge_partials<64>(layout, plan.splits, scratch, kv_heads);
