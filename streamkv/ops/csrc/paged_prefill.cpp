@@ -181,12 +181,13 @@ inline void write_row(q_t* dst, const float* acc, float sum) {
   for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<q_t>(acc[i] * inv);
 }
 
-// Every real vector's output row.
+// Every real vector's output row, from acc [vectors][D] and sums (the task's own by default).
 template <int64_t D, typename qv_t, typename q_t, typename kv_t>
-void write_task_out(const Layout<q_t, kv_t>& L, const Task& t, const TaskVectors<qv_t>& v) {
+void write_task_out(const Layout<q_t, kv_t>& L, const Task& t, const TaskVectors<qv_t>& v, const float* acc = nullptr,
+                    const float* sums = nullptr) {
+  if (acc == nullptr) acc = v.acc, sums = v.sums;
   for (int64_t m = 0; m < v.vectors; ++m)
-    write_row<D>(L.out_row(v.start + t.row0 + m / L.group, t.kv_head * L.group + m % L.group), v.acc + m * D,
-                 v.sums[m]);
+    write_row<D>(L.out_row(v.start + t.row0 + m / L.group, t.kv_head * L.group + m % L.group), acc + m * D, sums[m]);
 }
 
 // Merging a row's softmax state (max M, sum L, accumulators A [D]) with a partition's partial (m, l, a), as
@@ -571,7 +572,7 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
     float* __restrict racc = run_buf.data();
     float* __restrict rmax = racc + max_vectors * D;
     float* __restrict rsum = rmax + max_vectors;
-    bool first_partition = true, single = true;
+    bool first_partition = true;  // still true at the end: the task had one partition
     auto end_partition = [&](bool last_one) {
       if (t.partial >= 0) {
         for (int64_t m = 0; m < v.vectors; ++m) {
@@ -604,7 +605,6 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
         }
       }
       first_partition = false;
-      single = false;
       if (last_one) return;
       std::fill(acc, acc + padded * D, 0.f);
       std::fill(maxes, maxes + padded, -std::numeric_limits<float>::infinity());
@@ -726,10 +726,7 @@ void prefill_amx(const Layout<at::BFloat16, at::BFloat16>& L, const std::vector<
       if (k0 + BLOCK > last || (k0 + BLOCK) % PARTITION == 0) end_partition(k0 + BLOCK > last);
     }
     _tile_release();
-    if (t.partial < 0)
-      for (int64_t m = 0; m < v.vectors; ++m)
-        write_row<D>(L.out_row(v.start + t.row0 + m / L.group, t.kv_head * L.group + m % L.group),
-                     (single ? acc : racc) + m * D, single ? sums[m] : rsum[m]);
+    if (t.partial < 0) write_task_out<D>(L, t, v, first_partition ? acc : racc, first_partition ? sums : rsum);
   });
 }
 #endif
@@ -886,8 +883,7 @@ TaskPlan make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs
   auto finish = [&](int64_t size) {
     std::vector<int64_t> costs;
     each_task(size, [&](const Task& t) {
-      const int64_t keys = t.partial >= 0 ? t.k_end - t.k_begin : t.cost / t.rows;
-      costs.insert(costs.end(), num_kv_heads, keys * (t.rows + READ_ROWS));
+      costs.insert(costs.end(), num_kv_heads, t.cost / t.rows * (t.rows + READ_ROWS));  // cost: keys x rows
     });
     std::sort(costs.begin(), costs.end(), std::greater<>());
     std::vector<int64_t> load(threads, 0);
@@ -900,24 +896,20 @@ TaskPlan make_tasks(const int32_t* starts, const int32_t* lens, int64_t num_seqs
   // finishes sooner: a partition of a few keys beside a whole one can leave a thread waiting longer than a second read
   // costs. A 30-token follow-up turn over 4,000 cached tokens 0.57 -> 0.46 ms a layer, over 8,000 1.30 -> 0.96
   // (bf16 on AMX tiles, docs/benchmarks.md "Round 38").
+  int64_t rows_only = -1;  // the finish time without a key split, once there is a chunk to split
   for (int64_t b = 0; key_split && b < num_seqs; ++b) {
     const int64_t q_len = starts[b + 1] - starts[b];
     if (q_len <= tile || q_len > MAX_TILE || lens[b] <= PARTITION) continue;
     const Split sp{b, (lens[b] + PARTITION - 1) / PARTITION, plan.scratch, q_len * group};
     if (plan.scratch + sp.parts * num_kv_heads * sp.vectors * slot > MAX_SCRATCH) continue;
+    if (rows_only < 0) rows_only = finish(tile);
     split_of[b] = static_cast<int64_t>(plan.splits.size());
     plan.splits.push_back(sp);
     plan.scratch += sp.parts * num_kv_heads * sp.vectors * slot;
   }
   if (!plan.splits.empty()) {
     const int64_t split_tile = choose_tile();
-    if (finish(split_tile) < [&] {
-          std::vector<int64_t> kept(split_of);
-          std::fill(split_of.begin(), split_of.end(), -1);
-          const int64_t rows_only = finish(tile);
-          split_of = kept;
-          return rows_only;
-        }()) {
+    if (finish(split_tile) < rows_only) {
       tile = split_tile;
     } else {
       std::fill(split_of.begin(), split_of.end(), -1);
