@@ -155,7 +155,7 @@ class BeamSearch:
 
         Args:
             sampling: the entries that sample, row ``i`` of ``logits`` being entry ``i``'s.
-            logits: float32 ``[len(sampling), vocab]``.
+            logits: float32 or bfloat16 ``[len(sampling), vocab]`` (widened for the log-softmax).
             now: monotonic seconds (the final output's time).
         """
         rest: list[tuple[int, ScheduledSeq]] = []

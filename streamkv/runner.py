@@ -117,8 +117,9 @@ class ModelRunner:
         """Apply the step's block copies, run the forward, return logits.
 
         Returns:
-            float32 ``[num_sampling, vocab]``: one row per scheduled sequence
-            whose ``samples`` is set, in scheduling order.
+            ``[num_sampling, vocab]`` in the model's dtype (float32 or bfloat16, not
+            widened: see ``compute_logits``): one row per scheduled sequence whose
+            ``samples`` is set, in scheduling order.
         """
         self._apply_copies(out)
         if not out.scheduled:
@@ -151,7 +152,7 @@ class ModelRunner:
             return torch.empty(0, 0)
         if output_rows is None:
             hidden = hidden[torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sampling], device=self.device)]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, widen=False)
 
     def _apply_copies(self, out: SchedulerOutput) -> None:
         stream = self._copy_stream

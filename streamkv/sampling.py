@@ -21,7 +21,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     """Draw one token id.
 
     Args:
-        logits: float32 ``[vocab]`` for one sequence.
+        logits: float32 or bfloat16 ``[vocab]`` for one sequence (widened to float32 before any arithmetic).
         params: its sampling parameters.
         generator: the sequence's CPU generator (ignored when greedy).
 
@@ -49,15 +49,20 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 
 def greedy_tokens(rows: torch.Tensor, ops: ModuleType | None = None) -> list[int]:
-    """``torch.argmax(rows, dim=-1)`` of float32 ``[N, vocab]`` logits, as a list of ``N`` token ids.
+    """``torch.argmax(rows, dim=-1)`` of float32 or bfloat16 ``[N, vocab]`` logits, as a list of ``N`` token ids.
 
     With ``ops`` (:func:`streamkv.ops.cpu_ops.load_fused_ops`'s module) a CPU
-    float32 tensor takes its ``argmax_rows``: the same answer (first maximum;
-    a NaN counts as the maximum), ~10x faster than torch's CPU argmax over a
-    49,152-token vocabulary (docs/benchmarks.md, "bf16 decode attention and
-    greedy argmax").
+    float32 or bfloat16 tensor takes its ``argmax_rows``: the same answer (first
+    maximum; a NaN counts as the maximum; bf16 compared as its exact float32
+    widening), ~10x faster than torch's CPU argmax over a 49,152-token
+    vocabulary (docs/benchmarks.md, "bf16 decode attention and greedy argmax").
     """
-    if ops is not None and rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.stride(-1) == 1:
+    if (
+        ops is not None
+        and rows.device.type == "cpu"
+        and rows.dtype in (torch.float32, torch.bfloat16)
+        and rows.stride(-1) == 1
+    ):
         out = torch.empty(rows.shape[0], dtype=torch.long)
         ops.argmax_rows(out, rows)
         return out.tolist()
@@ -70,7 +75,12 @@ def sample_batch(
     generators: list[torch.Generator | None],
     ops: ModuleType | None = None,
 ) -> list[int]:
-    """Sample one token per row of ``logits`` ``[N, vocab]`` (float32); ``ops`` as for :func:`greedy_tokens`."""
+    """Sample one token per row of ``logits`` ``[N, vocab]``; ``ops`` as for :func:`greedy_tokens`.
+
+    ``logits`` is float32, or a bf16 model's bfloat16 (what ``ModelRunner.execute``
+    returns): each use compares or widens it exactly, so the tokens are those of
+    its float32 widening.
+    """
     greedy = [i for i, p in enumerate(params) if p.greedy]
     out = [0] * len(params)
     if greedy:
@@ -93,7 +103,7 @@ def apply_min_tokens(
     """Forbid EOS and ``stop_token_ids`` in rows that have not reached ``min_tokens`` yet.
 
     Args:
-        logits: float32 ``[N, vocab]``, one row per sampling sequence.
+        logits: float32 or bfloat16 ``[N, vocab]``, one row per sampling sequence.
         params: each row's sampling parameters.
         num_output_tokens: tokens each row's sequence has generated so far.
         eos_token_ids: the model's EOS ids (not forbidden when ``ignore_eos``).
@@ -122,7 +132,8 @@ def compute_logprobs(
     """Log-probabilities of the sampled tokens, for the rows whose ``params.logprobs`` is set.
 
     Args:
-        logits: float32 ``[N, vocab]``, the raw logits the tokens were sampled from.
+        logits: float32 or bfloat16 ``[N, vocab]``, the raw logits the tokens were sampled from
+            (widened to float32 for the log-softmax).
         tokens: the ``N`` sampled token ids.
         params: each row's sampling parameters.
 

@@ -151,19 +151,27 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 300, 49152])
-def test_argmax_rows_equals_torch_argmax_with_ties_and_a_strided_view(vocab: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 15, 16, 17, 300, 49152])
+def test_argmax_rows_equals_torch_argmax_with_ties_and_a_strided_view(vocab: int, dtype: torch.dtype) -> None:
+    # bf16 rows (a bf16 model's logits, read as they come) must answer as their float32 widening does
     torch.manual_seed(vocab)
-    x = torch.randn(9, vocab)
-    assert torch.equal(argmax_rows(x), x.argmax(-1))
-    ties = torch.randint(-2, 3, (9, vocab)).float()  # many equal maxima per row: the first one wins
-    assert torch.equal(argmax_rows(ties), ties.argmax(-1))
-    wide = torch.randn(5, vocab + 7)[:, 3 : 3 + vocab]  # rows of a wider tensor: row stride != vocab
-    assert torch.equal(argmax_rows(wide), wide.argmax(-1))
-    zeros = torch.full((3, vocab), -1.0)
+    x = torch.randn(9, vocab).to(dtype)
+    assert torch.equal(argmax_rows(x), x.float().argmax(-1))
+    ties = torch.randint(-2, 3, (9, vocab)).to(dtype)  # many equal maxima per row: the first one wins
+    assert torch.equal(argmax_rows(ties), ties.float().argmax(-1))
+    wide = torch.randn(5, vocab + 7).to(dtype)[:, 3 : 3 + vocab]  # rows of a wider tensor: row stride != vocab
+    assert torch.equal(argmax_rows(wide), wide.float().argmax(-1))
+    zeros = torch.full((3, vocab), -1.0, dtype=dtype)
     zeros[0, -1], zeros[1, 0], zeros[2, vocab // 2 :] = 0.0, -0.0, torch.tensor(-0.0)  # -0.0 == 0.0: first one wins
     zeros[2, -1] = 0.0
-    assert torch.equal(argmax_rows(zeros), zeros.argmax(-1))
+    assert torch.equal(argmax_rows(zeros), zeros.float().argmax(-1))
+    if dtype == torch.bfloat16:  # values fp32 tells apart that round to one bf16: the first of them wins
+        near = torch.full((2, vocab), -3.0)
+        near[:, -1] = 1.0
+        near[:, 0] = 1.0 - 2**-12
+        assert torch.equal(argmax_rows(near.to(dtype)), torch.zeros(2, dtype=torch.long))
+        assert torch.equal(argmax_rows(near), torch.full((2,), vocab - 1, dtype=torch.long))
 
 
 @settings(max_examples=60, deadline=None)
@@ -177,11 +185,12 @@ def test_argmax_rows_takes_nan_and_infinities_as_torch_does(vocab: int, specials
     for i, v in specials:
         x[1, i % vocab] = v
     assert torch.equal(argmax_rows(x), x.argmax(-1))
+    assert torch.equal(argmax_rows(x.bfloat16()), x.bfloat16().float().argmax(-1))
 
 
 def test_argmax_rows_refuses_bad_input() -> None:
-    with pytest.raises(RuntimeError, match="float32"):
-        argmax_rows(torch.randn(2, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        argmax_rows(torch.randn(2, 8).half())
     with pytest.raises(RuntimeError, match="int64"):
         ops.argmax_rows(torch.empty(2, dtype=torch.int32), torch.randn(2, 8))
     with pytest.raises(RuntimeError, match="V must be"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from streamkv.ops.cpu_ops import load_fused_ops
-from streamkv.sampling import greedy_tokens, sample_batch, sample_token
+from streamkv.sampling import apply_min_tokens, compute_logprobs, greedy_tokens, sample_batch, sample_token
 from streamkv.sampling_params import SamplingParams
 
 
@@ -29,6 +29,37 @@ def test_greedy_rows_on_the_cpu_op_equal_torch_argmax_in_a_mixed_batch():
     assert greedy_tokens(logits, ops) == want == greedy_tokens(logits)
     got = sample_batch(logits, params, gens, ops)
     assert [got[i] for i in (0, 1, 2, 5)] == [want[i] for i in (0, 1, 2, 5)] and got[2] == 10
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_bf16_models_logits_sample_as_their_float32_widening(fused: bool) -> None:
+    # The runner hands a bf16 model's logits on unwidened: every row must draw, mask and score as its float32 copy
+    ops = load_fused_ops() if fused else None
+    if fused and ops is None:
+        pytest.skip("the fused C++ ops could not be built here")
+    logits = (torch.randn(6, 3000, generator=torch.Generator().manual_seed(11)) * 4).bfloat16()
+    logits[1, 7] = logits[1, 2900] = logits[1].max()  # a tie: the first index
+    logits[4, 5] = float("nan")
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0.8, seed=5, top_k=50),
+        SamplingParams(temperature=1.0, seed=6, top_p=0.9, logprobs=2),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=(9,)),
+    ]
+    logits[5, 9] = logits[5].max() + 1  # the likeliest token is banned until min_tokens
+
+    def run(x: torch.Tensor) -> tuple[list[int], object]:
+        gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
+        masked = apply_min_tokens(x, params, [0] * len(params), eos_token_ids=(0,))
+        tokens = sample_batch(masked, params, gens, ops)
+        return tokens, compute_logprobs(x, tokens, params)
+
+    (tokens, logprobs), want = run(logits), run(logits.float())
+    assert (tokens, logprobs) == want
+    assert tokens[0] == int(logits[0].float().argmax()) and tokens[1] == 7 and tokens[4] == 5 and tokens[5] != 9
+    assert logprobs[0] is None and logprobs[1] is not None and logprobs[3] is not None
 
 
 def test_top_k_one_is_greedy_whatever_the_temperature():

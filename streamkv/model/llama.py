@@ -212,8 +212,15 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, H]`` (rows that sample) -> float32 logits ``[N, vocab_size]``."""
+    def compute_logits(self, hidden: torch.Tensor, *, widen: bool = True) -> torch.Tensor:
+        """``hidden [N, H]`` (rows that sample) -> logits ``[N, vocab_size]``.
+
+        float32 when ``widen`` (the default); else in the LM head's output dtype, the
+        model's (bfloat16 for a bf16 model), which the engine's samplers compare or
+        widen exactly where they need to: the float32 copy of a bf16 model's
+        ``[64, 49,152]`` logits cost 1-2 ms of a decode step (docs/benchmarks.md,
+        "Round 39").
+        """
         if self.small_lm_head is not None and self.small_lm_head.takes(hidden.shape[0]):
             logits = self.small_lm_head(hidden)
         elif self.packed_lm_head is not None:
@@ -221,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head
             logits = F.linear(hidden, weight)
-        return logits.float()
+        return logits.float() if widen else logits
 
     def use_fused_ops(self, ops: ModuleType | None, decode_ops: ModuleType | None = None) -> bool:
         """Run RMSNorm (with its residual add), SiLU-and-mul and RoPE on ``ops`` (the fused C++ extension).

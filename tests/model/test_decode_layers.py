@@ -56,8 +56,8 @@ def generate(
     logits: list[torch.Tensor] = []
     compute_logits = model.compute_logits
 
-    def recorded(hidden: torch.Tensor) -> torch.Tensor:
-        out = compute_logits(hidden)
+    def recorded(hidden: torch.Tensor, *, widen: bool = True) -> torch.Tensor:
+        out = compute_logits(hidden, widen=widen)
         logits.append(out.clone())
         return out
 

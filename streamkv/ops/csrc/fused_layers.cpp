@@ -298,7 +298,9 @@ void rope_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, cons
 
 // Index of the first maximum of one row, torch.argmax's answer: a NaN counts as the maximum (the first NaN
 // wins), ties go to the lowest index, a row of -inf gives 0.
-inline int64_t argmax_row(const float* x, int64_t n) {
+// A bf16 row is compared as its exact fp32 widening, so its answer is that of the row's .float().
+template <typename T>
+inline int64_t argmax_row(const T* x, int64_t n) {
   int64_t i = 0;
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_i = 0;
@@ -311,7 +313,7 @@ inline int64_t argmax_row(const float* x, int64_t n) {
     const __m512i step = _mm512_set1_epi32(16);
     __mmask16 nan = 0;
     for (; i + 16 <= n; i += 16) {
-      const __m512 v = _mm512_loadu_ps(x + i);
+      const __m512 v = load16(x + i);
       nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       const __mmask16 gt = _mm512_cmp_ps_mask(v, m, _CMP_GT_OQ);
       m = _mm512_mask_mov_ps(m, gt, v);
@@ -320,7 +322,7 @@ inline int64_t argmax_row(const float* x, int64_t n) {
     }
     if (nan) {
       for (int64_t j = 0; j < n; ++j)
-        if (std::isnan(x[j])) return j;
+        if (std::isnan(to_f(x[j]))) return j;
     }
     alignas(64) float mv[16];
     alignas(64) int32_t iv[16];
@@ -338,7 +340,7 @@ inline int64_t argmax_row(const float* x, int64_t n) {
     const __m256i step = _mm256_set1_epi32(8);
     __m256 nan = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 v = load8(x + i);
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
       const __m256 gt = _mm256_cmp_ps(v, m, _CMP_GT_OQ);
       m = _mm256_blendv_ps(m, v, gt);
@@ -347,7 +349,7 @@ inline int64_t argmax_row(const float* x, int64_t n) {
     }
     if (_mm256_movemask_ps(nan)) {
       for (int64_t j = 0; j < n; ++j)
-        if (std::isnan(x[j])) return j;
+        if (std::isnan(to_f(x[j]))) return j;
     }
     alignas(32) float mv[8];
     alignas(32) int32_t iv[8];
@@ -359,12 +361,13 @@ inline int64_t argmax_row(const float* x, int64_t n) {
   }
 #endif
   for (; i < n; ++i) {
-    if (std::isnan(x[i])) {
+    const float v = to_f(x[i]);
+    if (std::isnan(v)) {
       for (int64_t j = 0; j < i; ++j)
-        if (std::isnan(x[j])) return j;
+        if (std::isnan(to_f(x[j]))) return j;
       return i;
     }
-    if (x[i] > best) best = x[i], best_i = i;
+    if (v > best) best = v, best_i = i;
   }
   return best_i;
 }
@@ -427,21 +430,27 @@ void rope(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::
   else rope_impl<at::BFloat16>(out, x, cos, sin);
 }
 
-// out [N] (int64) = argmax of each row of logits [N, V] (float32), as torch.argmax(logits, dim=-1) answers it.
+// out [N] (int64) = argmax of each row of logits [N, V] (float32 or bf16), as torch.argmax(logits, dim=-1)
+// answers it. A bf16 model's logits are read as they come from the LM head: widening [64, 49,152] of them to
+// float32 first wrote and read 12.6 MB more a decode step (docs/benchmarks.md, "Round 39").
 void argmax_rows(at::Tensor out, const at::Tensor& logits) {
   TORCH_CHECK(logits.device().is_cpu() && out.device().is_cpu(), "argmax_rows: CPU tensors only");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
-              "argmax_rows: logits must be float32 [N, V] with a unit last stride");
+  TORCH_CHECK((logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) && logits.dim() == 2 &&
+                  logits.stride(1) == 1,
+              "argmax_rows: logits must be float32 or bfloat16 [N, V] with a unit last stride");
   TORCH_CHECK(logits.size(1) > 0 && logits.size(1) <= std::numeric_limits<int32_t>::max(),
               "argmax_rows: V must be in [1, 2^31)");
   TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == logits.size(0) && out.is_contiguous(),
               "argmax_rows: out must be a contiguous int64 [N]");
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
-  const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * stride, n);
-  });
+  const auto run = [&](const auto* x) {
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * stride, n);
+    });
+  };
+  if (logits.scalar_type() == at::kFloat) run(logits.data_ptr<float>());
+  else run(logits.data_ptr<at::BFloat16>());
 }
 
 #ifndef STREAMKV_NO_PYBIND  // left out of streamkv_decode_ops (decode_layer.cpp), which calls the ops directly
@@ -450,6 +459,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual (CPU, fp32/bf16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (CPU, fp32/bf16)");
   m.def("rope", &rope, "rotary embedding, half-split layout (CPU, fp32/bf16)");
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, -1) of float32 rows (CPU)");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, -1) of float32 or bf16 rows (CPU)");
 }
 #endif
