@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamkv.detokenizer import IncrementalDetokenizer, StopMatcher
+from streamkv.detokenizer import IncrementalDetokenizer, StopMatcher, text_decoder
 
 TEXTS = ["naïve café 🙂 日本語 👩‍💻", "Zürich – «quotes» and emoji 🎉🎉 done", "plain ascii words"]
 
@@ -172,3 +172,27 @@ def test_token_ids_are_held_back_with_their_text(smollm2_tokenizer, text: str, s
 )
 def test_every_delta_decodes_to_its_text(smollm2_tokenizer, words: list[str], stop: list[str]) -> None:
     _check_ids_match_text(smollm2_tokenizer, "".join(words), stop)
+
+
+@settings(max_examples=150, deadline=None)
+@given(picks=st.lists(st.integers(0, 10**9), min_size=0, max_size=12))
+def test_the_direct_decode_is_transformers_decode(smollm2_tokenizer, picks: list[int]) -> None:
+    # Any ids, special ones and broken UTF-8 halves included: the Rust tokenizer's decode taken directly
+    tok = smollm2_tokenizer
+    pool = [*tok.all_special_ids, *tok.encode(" ".join(TEXTS), add_special_tokens=False)]
+    ids = [pool[i % len(pool)] if i % 3 else i % len(tok) for i in picks]
+    want = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert text_decoder(tok)(ids) == want
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it(smollm2_tokenizer) -> None:
+    class Shouting(type(smollm2_tokenizer)):  # type: ignore[misc]
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):  # type: ignore[no-untyped-def]
+            return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    tok = smollm2_tokenizer
+    ids = tok.encode("plain words", add_special_tokens=False)
+    shouting = Shouting.__new__(Shouting)
+    shouting.__dict__.update(tok.__dict__)
+    assert text_decoder(shouting)(ids) == "PLAIN WORDS"
+    assert text_decoder(tok)(ids) == "plain words"
