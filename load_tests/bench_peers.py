@@ -143,6 +143,13 @@ def warmup_workload(vocab_size: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- engines
 
 
+# --withhold-amx: what every engine's process gets, so an AMX host runs as a CPU with AVX512-BF16 and no AMX
+# (Zen 4, the machine of issue #13). STREAMKV_AMX=0 switches off our tile kernels; oneDNN (torch's matmuls, and
+# OpenVINO's CPU plugin) stops at AVX512_CORE_BF16. vLLM's CPU attention picks its AMX kernel from cpuinfo
+# (torch.cpu._is_amx_tile_supported), which this does not reach: its attention keeps AMX, its matmuls do not.
+WITHHOLD_AMX = {"STREAMKV_AMX": "0", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+
+
 def runner_command(v: Variant, args: argparse.Namespace) -> tuple[list[str], dict[str, str], dict[str, Any]]:
     """The python, extra environment and spec fields a variant's runner needs (building peers as needed)."""
     extra: dict[str, Any] = {}
@@ -156,6 +163,8 @@ def runner_command(v: Variant, args: argparse.Namespace) -> tuple[list[str], dic
         ov = peer_setup.ensure_openvino(args.cache_dir, args.torch_spec)
         python = str(ov.python)
         extra["ov_model"] = str(peer_setup.ensure_openvino_ir(args.cache_dir, ov, args.hf_model, v.ov_weights))
+    if args.withhold_amx:
+        env = {**env, **WITHHOLD_AMX}
     return [python, str(RUNNER)], env, extra
 
 
@@ -334,6 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-output", type=parse_range, default=(16, 512), help="output lengths LO:HI")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="threads of every engine")
+    p.add_argument(
+        "--withhold-amx",
+        action="store_true",
+        help="run every engine as on a CPU with AVX512-BF16 and no AMX (STREAMKV_AMX=0, ONEDNN_MAX_CPU_ISA="
+        "AVX512_CORE_BF16); vLLM's attention still takes AMX where the CPU has it",
+    )
     p.add_argument("--kv-cache-gib", type=int, default=2, help="KV budget of every engine (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget per step, every engine")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -378,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workloads: {', '.join(w['name'] for w in workloads)}; {args.prompt_len} in / {args.new_tokens} out; "
           f"{args.repeats} repeats; {args.threads} threads; KV {args.kv_cache_gib} GiB; token budget "
           f"{args.max_num_batched_tokens}; load avg before {load_before[0]:.2f}\n", flush=True)  # fmt: skip
+    if args.withhold_amx:
+        print(f"AMX withheld from every engine: {WITHHOLD_AMX} (vLLM's attention still takes AMX here)\n", flush=True)
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         run_dir = Path(tmp) if args.out is None else args.out.with_suffix(".runs")

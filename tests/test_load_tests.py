@@ -134,6 +134,12 @@ def test_bench_peers_arguments_and_workloads() -> None:
     assert all(32 <= len(p) <= 64 for p in mixed["prompts"]) and all(16 <= n <= 512 for n in mixed["output_lens"])
     assert all(100 <= t < 1000 for p in mixed["prompts"] for t in p)
     assert bench_peers.make_workloads(args, vocab_size=1000) == workloads  # fixed seed
+    # --withhold-amx reaches every engine's environment; without it nobody's changes
+    v = bench_peers.VARIANTS["streamkv-bf16"]
+    assert not args.withhold_amx and "STREAMKV_AMX" not in bench_peers.runner_command(v, args)[1]
+    withheld = bench_peers.parse_args(["--withhold-amx"])
+    env = bench_peers.runner_command(v, withheld)[1]
+    assert env["STREAMKV_AMX"] == "0" and env["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
 
 
 def test_offline_runner_event_log_splits_prefill_from_decode() -> None:
