@@ -224,7 +224,7 @@ def forward_prefill(llm: Any, prompts: list[list[int]], clock: Callable[[], floa
     last = torch.tensor(lens).cumsum(0) - 1
     t0 = clock()
     meta = AttentionMetadata.build(lens, lens, tables, block_size)
-    model.compute_logits(model(ids, positions, kv, meta, runner.backend)[last])
+    model.compute_logits(model(ids, positions, kv, meta, runner.backend)[last], widen=False)
     return sum(lens) / (clock() - t0)
 
 
@@ -246,7 +246,7 @@ def gemm_ceiling(model: torch.nn.Module, rows: int, num_seqs: int, clock: Callab
         m(x)
     per_layer = clock() - t0
     t0 = clock()
-    model.compute_logits(head_in)  # type: ignore[operator]
+    model.compute_logits(head_in, widen=False)  # type: ignore[operator]
     head = clock() - t0
     return rows / (per_layer * model.num_layers + head)  # type: ignore[operator]
 

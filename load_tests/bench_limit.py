@@ -109,7 +109,7 @@ def engine_matmuls(model: Any) -> list[tuple[Callable[[torch.Tensor], torch.Tens
         for name in PROJECTIONS:
             m = layer.get_submodule(name)
             calls.append((m.forward, m.in_features))
-    calls.append((model.compute_logits, model.config.hidden_size))
+    calls.append((lambda h: model.compute_logits(h, widen=False), model.config.hidden_size))  # as the runner does
     return calls
 
 

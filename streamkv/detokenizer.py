@@ -31,8 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from transformers import PreTrainedTokenizerBase
-from transformers.tokenization_utils_tokenizers import TokenizersBackend
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # how many tokens of left context to decode with, so that tokenizers that
 # merge leading spaces decode the new tokens as they appear in the whole text
@@ -43,7 +42,8 @@ def text_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], st
     """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)``.
 
     For a fast (``tokenizers``) tokenizer whose ``decode`` and ``_decode`` are
-    transformers' own, that call is exactly the Rust tokenizer's ``decode``,
+    transformers' own (``PreTrainedTokenizerFast``, 4.x and 5.x, where it is
+    ``TokenizersBackend``), that call is exactly the Rust tokenizer's ``decode``,
     which is taken directly: 1.4 us against 4.0 for 7 ids here, and every
     output token decodes twice (docs/benchmarks.md, "Round 39"). Any other
     tokenizer goes through its ``decode``.
@@ -51,9 +51,9 @@ def text_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], st
     kind = type(tokenizer)
     backend = getattr(tokenizer, "_tokenizer", None)
     if (
-        isinstance(tokenizer, TokenizersBackend)
+        isinstance(tokenizer, PreTrainedTokenizerFast)
         and backend is not None
-        and kind._decode is TokenizersBackend._decode
+        and kind._decode is PreTrainedTokenizerFast._decode
         and kind.decode is PreTrainedTokenizerBase.decode
     ):
         decode = backend.decode

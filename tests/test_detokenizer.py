@@ -185,6 +185,17 @@ def test_the_direct_decode_is_transformers_decode(smollm2_tokenizer, picks: list
     assert text_decoder(tok)(ids) == want
 
 
+def test_the_direct_decode_does_not_call_transformers(smollm2_tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = smollm2_tokenizer
+    ids = tok.encode("plain words", add_special_tokens=False)
+
+    def refuse(*args: object, **kwargs: object) -> str:
+        raise AssertionError("transformers' decode was called")
+
+    monkeypatch.setattr(tok, "decode", refuse)  # the instance only: the class's decode is still transformers'
+    assert text_decoder(tok)(ids) == "plain words"
+
+
 def test_a_tokenizer_with_its_own_decode_keeps_it(smollm2_tokenizer) -> None:
     class Shouting(type(smollm2_tokenizer)):  # type: ignore[misc]
         def decode(self, token_ids, skip_special_tokens=False, **kwargs):  # type: ignore[no-untyped-def]

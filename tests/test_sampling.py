@@ -38,7 +38,7 @@ def test_a_bf16_models_logits_sample_as_their_float32_widening(fused: bool) -> N
     if fused and ops is None:
         pytest.skip("the fused C++ ops could not be built here")
     logits = (torch.randn(6, 3000, generator=torch.Generator().manual_seed(11)) * 4).bfloat16()
-    logits[1, 7] = logits[1, 2900] = logits[1].max()  # a tie: the first index
+    logits[1, 7] = logits[1, 2900] = logits[1].max() + 1  # a tie: the first index
     logits[4, 5] = float("nan")
     params = [
         SamplingParams(temperature=0),
