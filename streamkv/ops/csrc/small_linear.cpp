@@ -517,8 +517,9 @@ struct PendingPass {
 // r0 .. of the pair's 32 columns (no bias). Rows go 32 at a time (two A tiles against the same two B tiles); past
 // 16 rows x is copied into rows padded to a multiple of 16 with zeros, so a tile never reads past x. panels and
 // panel_bytes as in amx_walk_panels: the packed weight itself (run_amx), or codes dequantized into a buffer
-// (run_gguf_bf16). pass_fn.run<TWO>(a, a_stride, panel, c, between) runs one pass's k_tiles tile steps over a
-// panel into c (TWO: 32 rows, else 16): PanelPass, or CodesPass on codes that it dequantizes a tile step at a time.
+// (run_gguf_bf16). pass_fn.run<TWO>(a, a_stride, panel, c, between, pass, passes) runs one pass's k_tiles tile steps
+// over a panel into c (TWO: 32 rows, else 16), pass `pass` of `passes` over that pair: PanelPass, or CodesPass on
+// codes that it dequantizes a tile step at a time.
 // A pass's stores run a few rows after each tile step of the thread's next pass (its last pass's at the end), so
 // the vector units convert and store while the tiles compute instead of between them.
 template <typename Panels, typename Pass, typename Store>
@@ -551,9 +552,9 @@ void run_amx_passes(const at::Tensor& x, int64_t pairs, int64_t k_tiles, int64_t
         const int64_t prev = p.rows;
         const auto between = [&](int64_t t) { drain(p, (t + 1) * prev / k_tiles); };
         if (two)
-          pass_fn.template run<true>(xp + r0 * x_stride, x_stride, w, p.c[p.cur], between);
+          pass_fn.template run<true>(xp + r0 * x_stride, x_stride, w, p.c[p.cur], between, pass, passes);
         else
-          pass_fn.template run<false>(xp + r0 * x_stride, x_stride, w, p.c[p.cur], between);
+          pass_fn.template run<false>(xp + r0 * x_stride, x_stride, w, p.c[p.cur], between, pass, passes);
         drain(p, prev);
         p.rows = std::min<int64_t>(two ? 2 * AMX_ROWS : AMX_ROWS, m - r0);
         p.done = 0;
@@ -580,7 +581,8 @@ void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const f
 struct PanelPass {
   int64_t k_tiles;
   template <bool TWO, typename Between>
-  void run(const char* a, int64_t a_stride, const char* w, float* c, const Between& between) const {
+  void run(const char* a, int64_t a_stride, const char* w, float* c, const Between& between, int64_t = 0,
+           int64_t = 1) const {
     amx_pass_steps<TWO>(a, a_stride, k_tiles, c, [w](int64_t t) { return w + t * AMX_STEP_BYTES; }, between);
   }
 };
@@ -683,27 +685,37 @@ inline void dequantize_pair_bf16(const uint8_t* w, int64_t blocks, const uint8_t
 
 #if defined(STREAMKV_AMX)
 // amx_pass_steps over a pair's codes: a GGUF block of 32 k is one tile step, so each block is dequantized into a
-// 2 KB tile step and loaded from L1: the weights take no trip through a whole panel. The two step buffers take
-// turns, one step ahead: block t + 1 is dequantized before block t's tiles load, so the tiles read stores made a
-// step earlier and their products run beside the next block's vector work (one row from L2, with nibble_to_float:
-// 174 -> 158 cycles a block). The tile sums are PanelPass's on those bytes.
+// 2 KB tile step and loaded from L1: the weights take no trip through a whole panel. Block t + 1 is dequantized
+// before block t's tiles load, so the tiles read stores made a step earlier and their products run beside the
+// next block's vector work (one row from L2, with nibble_to_float: 174 -> 158 cycles a block). With one pass a
+// pair the steps take turns in two buffers; with two (33-64 rows) the first pass lays the whole panel out in this
+// thread's scratch (k x 32 bf16: 36 KB at K = 576) and the second runs PanelPass over it from L1 / L2 instead of
+// dequantizing again (64 rows from L2: 509 -> 392 cycles a block). The tile sums are PanelPass's on those bytes.
 template <typename Layout>
 struct CodesPass {
   int64_t blocks;
   template <bool TWO, typename Between>
-  void run(const char* a, int64_t a_stride, const char* w, float* c_out, const Between& between) const {
-    alignas(64) uint16_t steps[2][AMX_STEP_BYTES / 2];
+  void run(const char* a, int64_t a_stride, const char* w, float* c_out, const Between& between, int64_t pass,
+           int64_t passes) const {
+    constexpr int64_t STEP = AMX_STEP_BYTES / 2;  // bf16 of a tile step
+    uint16_t* panel = passes > 1 ? thread_scratch<uint16_t>(blocks * STEP) : nullptr;
+    if (pass > 0) {  // the pair's first pass on this thread laid its panel out
+      PanelPass{blocks}.run<TWO>(a, a_stride, reinterpret_cast<const char*>(panel), c_out, between);
+      return;
+    }
+    alignas(64) uint16_t ring[2][STEP];
+    const auto buffer = [&](int64_t t) { return panel != nullptr ? panel + t * STEP : ring[t & 1]; };
     const auto* codes = reinterpret_cast<const uint8_t*>(w);
-    Layout::dequantize(codes, steps[0]);
+    Layout::dequantize(codes, buffer(0));
     amx_pass_steps<TWO>(
         a, a_stride, blocks, c_out,
         [&](int64_t t) {
           if (t + 1 < blocks) {
             for (int64_t l = 0; l < Layout::BYTES / 64; ++l)
               _mm_prefetch(w + (t + 3) * Layout::BYTES + l * 64, _MM_HINT_T0);
-            Layout::dequantize(codes + (t + 1) * Layout::BYTES, steps[(t + 1) & 1]);
+            Layout::dequantize(codes + (t + 1) * Layout::BYTES, buffer(t + 1));
           }
-          return reinterpret_cast<const char*>(steps[t & 1]);
+          return reinterpret_cast<const char*>(buffer(t));
         },
         between);
   }
