@@ -306,6 +306,20 @@ def test_strided_rows_and_no_rows(kind: str, bf16: bool) -> None:
     ops.small_linear(empty, torch.empty(0, 128, dtype=dtype), packed, None)
 
 
+@needs_bf16
+@pytest.mark.parametrize("use_amx", [True, False], ids=["amx", "vdpbf16ps"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_codes_with_no_k_give_the_bias(kind: str, use_amx: bool) -> None:
+    # K = 0: no block to dequantize, at one pass, two passes (a panel laid out) and past the codes' rows.
+    packed = random_codes(kind, 40, 0).pack(ops, bf16=True)
+    bias = torch.randn(40)
+    for rows in (1, 48, 200):
+        out = torch.full((rows, 40), float("nan"), dtype=torch.bfloat16)
+        with amx(use_amx):
+            ops.small_linear(out, torch.empty(rows, 0, dtype=torch.bfloat16), packed, bias)
+        assert torch.equal(out, bias.bfloat16().expand(rows, 40))
+
+
 def test_bad_arguments_raise() -> None:
     c = random_codes("q4_1", 40, 64)
     e = random_codes("q8_0", 40, 64)

@@ -706,7 +706,7 @@ struct CodesPass {
     alignas(64) uint16_t ring[2][STEP];
     const auto buffer = [&](int64_t t) { return panel != nullptr ? panel + t * STEP : ring[t & 1]; };
     const auto* codes = reinterpret_cast<const uint8_t*>(w);
-    Layout::dequantize(codes, buffer(0));
+    if (blocks > 0) Layout::dequantize(codes, buffer(0));  // K = 0: no block; the outputs are the bias
     amx_pass_steps<TWO>(
         a, a_stride, blocks, c_out,
         [&](int64_t t) {
@@ -722,12 +722,12 @@ struct CodesPass {
 };
 #endif
 
-// The most rows run_gguf_bf16 runs through CodesPass on AMX: two passes of 32 rows, the second dequantizing the
-// pair's codes again from L1 / L2 where a dequantized panel would be written and read back. A decode step's
-// matmuls (load_tests/bench_small_linear.py --dtypes gguf_bf16, three alternations, as a share of oneDNN's time
-// in the same run): 48 rows 0.70-0.76 -> 0.68-0.70, 64 rows
-// 0.73-0.78 -> 0.69-0.77; at 96 and 128 rows the dequantized panels stay faster (24.5 / 28.3 against 26.3 / 35.4
-// ms; docs/benchmarks.md, "Round 31").
+// The most rows run_gguf_bf16 runs through CodesPass on AMX: two passes of 32 rows, the first dequantizing the
+// codes a tile step at a time, the second reading the panel the first laid out. Round 31 measured the old form
+// (the second pass dequantizing again) against panels dequantized before the passes: a decode step's matmuls
+// (load_tests/bench_small_linear.py --dtypes gguf_bf16, three alternations, as a share of oneDNN's time in the
+// same run) 48 rows 0.70-0.76 -> 0.68-0.70, 64 rows 0.73-0.78 -> 0.69-0.77; at 96 and 128 rows the dequantized
+// panels stay faster (24.5 / 28.3 against 26.3 / 35.4 ms; docs/benchmarks.md, "Round 31").
 constexpr int64_t AMX_CODES_MAX_ROWS = 64;
 
 #if defined(STREAMKV_AMX)
@@ -1508,8 +1508,8 @@ void run_amx_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int64_t pair_bytes = steps * 4 * LANES;
   const int64_t passes = (mp + AMX_ROWS - 1) / AMX_ROWS;
-  // One pass a pair (up to 16 rows): each tile step is laid out in L1 just before its tiles load, as CodesPass
-  // does; more: whole panels (k_tiles steps a pair), laid out once a call and walked as run_amx_panels walks.
+  // One pass a pair (up to 16 rows): each tile step is laid out in L1 just before its tiles load (CodesPass lays
+  // its steps out one ahead); more: whole panels (k_tiles steps a pair), laid out once a call and walked as run_amx_panels walks.
   const bool streamed = passes == 1;
   const int64_t panel_bytes = streamed ? pair_bytes : k_tiles * AMX_INT8_STEP_BYTES;
   const auto panels = [&](int64_t p0, int64_t p1) {
