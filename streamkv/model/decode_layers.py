@@ -72,6 +72,8 @@ class DecodeLayers:
                     return None
                 args += [m.packed, m.scale, m.bias]
                 max_rows.append(m.max_rows)
+            silu_mul = mlp.silu_mul  # gate_up with SiLU-and-mul in one op (AMX), as the MLP's forward runs it
+            args += [None, None] if silu_mul is None else [silu_mul.packed, silu_mul.bias]
             args_of_layers.append(tuple(args))
         a, mlp = layers[0].self_attn, layers[0].mlp
         geometry = (a.num_heads, a.num_kv_heads, a.head_dim, mlp.intermediate_size, a.scale)

@@ -1,4 +1,4 @@
-"""SwiGLU's gate_up with SiLU-and-mul in the matmul's epilogue, for bf16 prefill chunks on AMX tiles.
+"""SwiGLU's gate_up with SiLU-and-mul in the matmul's epilogue, for every bf16 batch on AMX tiles.
 
 A prefill step of 4,096 rows makes a ``[4096, 2 I]`` gate_up output (25 MB in
 bf16 for SmolLM2) that goes to memory for ``silu_and_mul`` to read back and
@@ -7,17 +7,21 @@ writes only ``act [T, I]``: gate_up's rows are packed interleaved 16 at a time
 (:func:`interleave_gate_up`), so each 32-column pass of the AMX kernel holds
 16 gate columns and their 16 up columns and applies SiLU-and-mul to them as
 it stores them. Its result is bitwise ``silu_and_mul`` of the kernel's own
-gate_up (the same tile sums, the same bf16 roundings and SiLU table), which
-is the decode rows' gate_up: a row's MLP no longer depends on whether it was
-prefilled or decoded, or in how large a chunk. Against oneDNN's gate_up
-followed by ``silu_and_mul`` (``docs/benchmarks.md``, "Round 33"), it takes
-the rows past :data:`SILU_MUL_MIN_ROWS`.
+gate_up (the same tile sums, the same bf16 roundings and SiLU table), so a
+row's MLP does not depend on whether it was prefilled or decoded, or in how
+large a chunk. Against oneDNN's gate_up followed by ``silu_and_mul``
+(``docs/benchmarks.md``, "Round 33") it took the prefill rows; since round
+41 it takes a decode step's rows too (on the GGUF's codes the small-batch
+kernel's own walk, the codes dequantized a tile step at a time up to 64
+rows), which saves the separate ``silu_and_mul`` and its parallel region:
+30 layers' gate_up at 1 / 32 / 64 rows 2.30 / 3.41 / 5.57 ms unfused against
+2.20 / 2.98 / 4.85 fused (docs/benchmarks.md, "Round 41").
 
 Only where the AMX-BF16 kernel runs (``small_linear_silu_mul_supported``:
-the build has it and the AMX switch is on); elsewhere, and for the rows of a
-decode step, the MLP runs its gate_up matmul and ``silu_and_mul`` as before.
-The packed copy is the GGUF's codes where the model has them (about 0.3 of
-the bf16 bytes for Q4_1), else the dense bf16 weight.
+the build has it and the AMX switch is on); elsewhere the MLP runs its
+gate_up matmul and ``silu_and_mul`` as before. The packed copy is the GGUF's
+codes where the model has them (about 0.3 of the bf16 bytes for Q4_1), else
+the dense bf16 weight.
 """
 
 from __future__ import annotations
@@ -29,16 +33,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from streamkv.model.linear import AMX_TILE_K, SMALL_LINEAR_MAX_ROWS, has_gguf_kernel
+from streamkv.model.linear import AMX_TILE_K, has_gguf_kernel
 
 if TYPE_CHECKING:
     from streamkv.model.gguf_codes import GGUFCodes
 
 # gate_up rows per group of the interleaved order: one AMX column block (small_linear.cpp's LANES).
 INTERLEAVE = 16
-# Fewest rows sent to the fused kernel: a decode step's rows (up to SMALL_LINEAR_MAX_ROWS) keep the small-batch
-# kernel and silu_and_mul, which the fused op's bits equal.
-SILU_MUL_MIN_ROWS = SMALL_LINEAR_MAX_ROWS[torch.bfloat16] + 1
 
 
 def interleave_gate_up(intermediate: int) -> np.ndarray:
@@ -99,8 +100,8 @@ class GateUpSiluMul:
         return cls(ops, packed, rows // 2, b)
 
     def takes(self, rows: int) -> bool:
-        """Whether ``rows`` rows run fused: prefill-sized, while the AMX kernel runs in this process."""
-        return rows >= SILU_MUL_MIN_ROWS and bool(self.ops.small_linear_silu_mul_supported())
+        """Whether ``rows`` rows run fused: any batch, while the AMX kernel runs in this process."""
+        return rows >= 1 and bool(self.ops.small_linear_silu_mul_supported())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, K]`` bfloat16 -> ``act [T, I]`` = ``silu(x W_gate^T + b_gate) * (x W_up^T + b_up)``, each

@@ -9,6 +9,7 @@ head dim (the tiny model's 16 takes the portable attention kernel, SmolLM2's
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
 
@@ -21,7 +22,7 @@ from streamkv.model.decode_layers import DecodeLayers
 from streamkv.model.linear import small_linear_max_rows
 from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf, load_model
 from streamkv.model.precision import onednn_has_bf16
-from streamkv.ops.cpu_ops import load_linear_ops
+from streamkv.ops.cpu_ops import load_linear_ops, set_amx
 from streamkv.sampling_params import SamplingParams
 
 PROMPTS = [[(7 * i + j) % 900 + 10 for j in range(n)] for i, n in enumerate((5, 40, 17))]
@@ -124,6 +125,36 @@ def test_smollm2_bf16_with_int8_weights(smollm2_checkpoint: HFCheckpoint, fast_c
         pytest.skip("the decode-layer op is not in use here (int8 with bf16 activations needs oneDNN's bf16 matmuls)")
     loaded = from_hf(smollm2_checkpoint, torch.bfloat16, torch.device("cpu"), quantization="int8")
     check_same(loaded, fast_calls)
+
+
+def test_smollm2_bf16_gate_up_with_silu_in_one_op_keeps_the_unfused_bits(
+    smollm2_checkpoint: HFCheckpoint, fast_calls: list[int]
+) -> None:
+    # On AMX a bf16 layer's gate_up and SiLU-and-mul run as one small_linear_silu_mul on the GGUF's codes, in the op
+    # and in the layer path alike; the op's unfused form (gate_up, then silu_and_mul) must give the same bits.
+    ops = load_linear_ops()
+    if ops is None or not ops.small_linear_silu_mul_supported():
+        pytest.skip("the fused gate_up needs AMX-BF16 (switched on)")
+    loaded = from_hf(smollm2_checkpoint, torch.bfloat16, torch.device("cpu"))
+    require_op(loaded)
+    check_same(loaded, fast_calls)
+    fast = loaded.model.model.decode_layers
+    assert fast is not None and all(args[-2] is not None for args in fast.layers)  # the interleaved packs
+    fused_tokens, fused_logits = generate(loaded, fast=True)
+    unfused = tuple((*args[:-2], None, None) for args in fast.layers)
+    loaded.model.model.decode_layers = dataclasses.replace(fast, layers=unfused)
+    try:
+        tokens, logits = generate(loaded, fast=True)
+    finally:
+        loaded.model.model.decode_layers = fast
+    assert tokens == fused_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, fused_logits, strict=True))
+    fast_calls.clear()
+    before = set_amx(False)  # switched off: the op holds the packs but runs gate_up and silu_and_mul, as the layers do
+    try:
+        check_same(loaded, fast_calls)
+    finally:
+        set_amx(before)
 
 
 def test_steps_the_op_cannot_run_keep_the_layer_path(smollm2: LoadedModel, fast_calls: list[int]) -> None:

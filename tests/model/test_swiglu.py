@@ -6,9 +6,9 @@ op's ``act`` is bitwise ``silu_and_mul`` (``fused_layers.cpp``) of
 weights and for GGUF Q4_1 / Q8_0 codes, at decode and prefill row counts,
 with a bias, strided rows, special values (a NaN row, -0, values whose SiLU
 overflows) and one thread walking many chunks. Compared as int16 bits, so a
-NaN or a zero's sign counts. Then the MLP: past ``SILU_MUL_MIN_ROWS`` rows
-of a bf16 model on AMX it runs fused, with the same bits as the unfused MLP
-on the small-batch kernel.
+NaN or a zero's sign counts. Then the MLP: at every row count of a bf16 model
+on AMX it runs fused, with the same bits as the unfused MLP on the
+small-batch kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from streamkv.model.llama import LlamaForCausalLM
-from streamkv.model.swiglu import SILU_MUL_MIN_ROWS, GateUpSiluMul, interleave_gate_up
+from streamkv.model.swiglu import GateUpSiluMul, interleave_gate_up
 from streamkv.ops.cpu_ops import load_fused_ops, load_linear_ops, set_amx
 from tests.test_fused_ops import small_llama
 from tests.test_gguf_codes import random_codes
@@ -84,7 +84,8 @@ def amx_on() -> Iterator[None]:
 @pytest.mark.usefixtures("amx_on")
 @pytest.mark.parametrize("kind", ["dense", "q4_1", "q8_0"])
 @pytest.mark.parametrize("intermediate, k", [(16, 32), (48, 96), (1536, 576)])
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 128, 129, 256, 300])
+# 1-64 rows: the codes dequantized a tile step at a time (two passes past 32); 65 and up: dequantized panels
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 48, 64, 65, 128, 129, 256, 300])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_bitwise_silu_and_mul_of_the_unfused_matmul(
     kind: str, intermediate: int, k: int, rows: int, with_bias: bool
@@ -176,7 +177,7 @@ def test_pack_declines_what_the_kernel_cannot_take() -> None:
     finally:
         set_amx(before)
     if ops.small_linear_silu_mul_supported():
-        assert fused_gate_up.takes(SILU_MUL_MIN_ROWS) and not fused_gate_up.takes(SILU_MUL_MIN_ROWS - 1)
+        assert fused_gate_up.takes(1) and fused_gate_up.takes(4096) and not fused_gate_up.takes(0)
 
 
 def bf16_llama(mlp_bias: bool) -> LlamaForCausalLM:
@@ -187,7 +188,7 @@ def bf16_llama(mlp_bias: bool) -> LlamaForCausalLM:
 @NO_AMX
 @pytest.mark.usefixtures("amx_on")
 @pytest.mark.parametrize("mlp_bias", [False, True], ids=["no-bias", "bias"])
-def test_a_bf16_mlp_runs_prefill_rows_fused_with_the_unfused_bits(mlp_bias: bool) -> None:
+def test_a_bf16_mlp_runs_every_batch_fused_with_the_unfused_bits(mlp_bias: bool) -> None:
     model = bf16_llama(mlp_bias)
     assert model.prepack_cpu_weights(small_ops=ops)
     assert model.use_fused_ops(fused)
@@ -205,7 +206,7 @@ def test_a_bf16_mlp_runs_prefill_rows_fused_with_the_unfused_bits(mlp_bias: bool
             original(act, *args)
 
     mlp.silu_mul = GateUpSiluMul(Spy(), mlp.silu_mul.packed, mlp.silu_mul.intermediate, mlp.silu_mul.bias)  # type: ignore[arg-type]
-    for rows in (SILU_MUL_MIN_ROWS - 1, SILU_MUL_MIN_ROWS, 700):
+    for rows in (1, 64, 65, 129, 700):  # decode rows (the codes' walk, then panels) and prefill rows
         x = torch.randn(rows, 64).bfloat16()
         with torch.inference_mode():
             got = mlp.forward(x)
@@ -213,13 +214,13 @@ def test_a_bf16_mlp_runs_prefill_rows_fused_with_the_unfused_bits(mlp_bias: bool
             fused.silu_and_mul(act, mlp.gate_up_proj.small(x))  # gate_up on the small-batch kernel at any rows
             want = mlp.down_proj.forward(act)
         assert_same_bits(got, want)
-    assert calls == [SILU_MUL_MIN_ROWS, 700]
+    assert calls == [1, 64, 65, 129, 700]
     before = set_amx(False)
     try:
         mlp.forward(torch.randn(700, 64).bfloat16())  # AMX off: the unfused path (oneDNN's gate_up)
     finally:
         set_amx(before)
-    assert calls == [SILU_MUL_MIN_ROWS, 700]
+    assert calls == [1, 64, 65, 129, 700]
 
 
 def test_int8_and_float32_models_keep_the_unfused_mlp() -> None:

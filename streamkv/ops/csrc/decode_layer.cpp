@@ -16,6 +16,8 @@
 //   write_kv(kv_cache, k, v, slot_mapping);  a = paged_decode(q, kv_cache, block_tables, seq_lens)
 //   x        = add_rms_norm(a W_o^T (+ b), residual)
 //   returns    down(silu_and_mul(x W_gate_up^T (+ b)))   the layer's output; the residual is updated in place
+//              (gate_up and SiLU-and-mul in one small_linear_silu_mul where the layer has its interleaved pack
+//              and the AMX kernel runs, as the MLP's forward takes it: bitwise the same act)
 
 #include <torch/extension.h>
 
@@ -40,7 +42,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 }  // namespace
 
 // h [T, H] -> the layer's output [T, H]; residual [T, H] updated in place (pass h itself for the first layer).
-// Weights: the packed matmuls of SmallMatmul (scale set for int8), each with its N.
+// Weights: the packed matmuls of SmallMatmul (scale set for int8), each with its N; silu_mul_w / silu_mul_bias:
+// GateUpSiluMul's interleaved gate_up and its float32 bias, or none.
 at::Tensor decode_layer(const at::Tensor& h, at::Tensor residual, bool first, const at::Tensor& input_norm,
                         double input_eps, const at::Tensor& post_norm, double post_eps,
                         const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_scale,
@@ -49,6 +52,7 @@ at::Tensor decode_layer(const at::Tensor& h, at::Tensor residual, bool first, co
                         const at::Tensor& gate_up_w, const c10::optional<at::Tensor>& gate_up_scale,
                         const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_w,
                         const c10::optional<at::Tensor>& down_scale, const c10::optional<at::Tensor>& down_bias,
+                        const c10::optional<at::Tensor>& silu_mul_w, const c10::optional<at::Tensor>& silu_mul_bias,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
@@ -74,9 +78,13 @@ at::Tensor decode_layer(const at::Tensor& h, at::Tensor residual, bool first, co
   const at::Tensor o = linear(attn.view({tokens, q_width}), o_w, o_scale, o_bias, hidden);
   at::Tensor x2 = at::empty_like(h);
   add_rms_norm(x2, o, residual, post_norm, post_eps);
-  const at::Tensor gate_up = linear(x2, gate_up_w, gate_up_scale, gate_up_bias, 2 * intermediate);
   at::Tensor act = at::empty({tokens, intermediate}, h.options());
-  silu_and_mul(act, gate_up);
+  if (silu_mul_w.has_value() && small_linear_silu_mul_supported()) {
+    small_linear_silu_mul(act, x2, *silu_mul_w, silu_mul_bias);
+  } else {
+    const at::Tensor gate_up = linear(x2, gate_up_w, gate_up_scale, gate_up_bias, 2 * intermediate);
+    silu_and_mul(act, gate_up);
+  }
   return linear(act, down_w, down_scale, down_bias, hidden);
 }
 

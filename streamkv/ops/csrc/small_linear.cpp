@@ -815,7 +815,8 @@ inline void store_silu_mul_pass(const float* c, int64_t r_begin, int64_t r_end, 
 }
 
 // act [M, I] from x [M, K] on the interleaved gate_up, packed dense (pack_small_linear, bf16) or as bf16 GGUF codes;
-// run_amx_passes over the weight's panels (codes dequantized a chunk of pairs at a time, each pair once a call).
+// run_amx_passes over the weight's panels, as run_amx and run_gguf_bf16 walk them: on codes, CodesPass up to
+// AMX_CODES_MAX_ROWS rows (a decode step's), else codes dequantized a chunk of pairs at a time, each pair once a call.
 void run_silu_mul(at::Tensor& act, const at::Tensor& x, const at::Tensor& packed, const float* bias) {
   const float* table = streamkv::bf16_silu_table();  // built here, before the parallel region
   at::BFloat16* ap = act.data_ptr<at::BFloat16>();
@@ -832,12 +833,21 @@ void run_silu_mul(at::Tensor& act, const at::Tensor& x, const at::Tensor& packed
   }
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t blocks = packed.size(1), panel_bytes = k * 2 * LANES * 2;
+  const auto run = [&]<typename Layout>() {
+    if (x.size(0) <= AMX_CODES_MAX_ROWS) {
+      const int64_t pair_bytes = blocks * Layout::BYTES;
+      const char* codes = reinterpret_cast<const char*>(wp);
+      run_amx_passes(x, pairs, k_tiles, pair_bytes, [&](int64_t p0, int64_t) { return codes + p0 * pair_bytes; },
+                     CodesPass<Layout>{blocks}, store);
+      return;
+    }
+    run_amx_passes(x, pairs, k_tiles, panel_bytes, dequantized_panels<Layout>(wp, pairs, blocks, k),
+                   PanelPass{k_tiles}, store);
+  };
   if (packed.size(2) == Q4_1_BF16_LINES)
-    run_amx_passes(x, pairs, k_tiles, panel_bytes, dequantized_panels<Q4_1Bf16>(wp, pairs, blocks, k),
-                   PanelPass{k_tiles}, store);
+    run.template operator()<Q4_1Bf16>();
   else
-    run_amx_passes(x, pairs, k_tiles, panel_bytes, dequantized_panels<Q8_0Bf16>(wp, pairs, blocks, k),
-                   PanelPass{k_tiles}, store);
+    run.template operator()<Q8_0Bf16>();
 }
 #endif
 
