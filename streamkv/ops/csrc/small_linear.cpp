@@ -625,10 +625,20 @@ inline __m512 half_to_float16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// One 32-k block of a pair (16 step pairs x 2 column blocks) into 16 x 64 bf16 of the panel.
+// Asks for the lines of the block at `ahead` (none when null) into L1, one or two at each of a dequantize's 16
+// steps: spread out, so the requests of a block do not all wait for the core's few L1 miss buffers at once.
+template <int64_t BYTES>
+inline void ask_spread(const char* ahead, int64_t t) {
+  constexpr int64_t LINES = (BYTES + 63) / 64;
+  if (ahead == nullptr) return;
+  for (int64_t l = t * LINES / 16; l < (t + 1) * LINES / 16; ++l) _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
+}
+
+// One 32-k block of a pair (16 step pairs x 2 column blocks) into 16 x 64 bf16 of the panel; the lines of the
+// block at `ahead` asked for on the way (ask_spread).
 struct Q4_1Bf16 {
   static constexpr int64_t BYTES = Q4_1_BF16_LINES * 16;
-  static void dequantize(const uint8_t* blk, uint16_t* dst) {
+  static void dequantize(const uint8_t* blk, uint16_t* dst, const char* ahead = nullptr) {
     __m512 d[2][2], m[2][2];  // [column block][half]
     for (int c = 0; c < 2; ++c) {
       const __m512 dc = half_to_float16(blk + 512 + 32 * c), mc = half_to_float16(blk + 576 + 32 * c);
@@ -638,6 +648,7 @@ struct Q4_1Bf16 {
       }
     }
     for (int64_t t = 0; t < GGUF_K / 2; ++t) {
+      ask_spread<BYTES>(ahead, t);
       __m512 w[2][2];
       for (int h = 0; h < 2; ++h) {
         const __m512i q =
@@ -653,13 +664,14 @@ struct Q4_1Bf16 {
 
 struct Q8_0Bf16 {
   static constexpr int64_t BYTES = Q8_0_BF16_LINES * 16;
-  static void dequantize(const uint8_t* blk, uint16_t* dst) {
+  static void dequantize(const uint8_t* blk, uint16_t* dst, const char* ahead = nullptr) {
     __m512 d[2][2];
     for (int c = 0; c < 2; ++c) {
       const __m512 dc = half_to_float16(blk + 1024 + 32 * c);
       for (int h = 0; h < 2; ++h) d[c][h] = column_pairs(dc, h);
     }
-    for (int64_t t = 0; t < GGUF_K / 2; ++t)
+    for (int64_t t = 0; t < GGUF_K / 2; ++t) {
+      ask_spread<BYTES>(ahead, t);
       for (int c = 0; c < 2; ++c) {
         __m512 w[2];
         for (int h = 0; h < 2; ++h) {
@@ -668,6 +680,7 @@ struct Q8_0Bf16 {
         }
         _mm512_store_si512(dst + t * 4 * LANES + c * 2 * LANES, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
       }
+    }
   }
 };
 
@@ -684,6 +697,16 @@ inline void dequantize_pair_bf16(const uint8_t* w, int64_t blocks, const uint8_t
 }
 
 #if defined(STREAMKV_AMX)
+// How far ahead CodesPass asks for codes: the block CODES_AHEAD_BLOCKS after the one it dequantizes (past the
+// pair's end, the next pair's blocks, which follow in memory), its lines spread over that dequantize's steps
+// (ask_spread). Before, each block's 10 (Q4_1) or 17 (Q8_0) lines were asked for at once, 3 blocks ahead: a bf16
+// decode step's matmuls (load_tests/bench_small_linear.py --dtypes gguf_bf16, three turns against that build) at
+// 1 / 8 / 48 rows took 8.25-8.59 / 7.80-7.87 / 12.67-13.14 ms, spread and 6 ahead 8.16-8.34 / 7.47-7.52 /
+// 12.14-12.32, 32 and 64 rows level. All at once 8 or 16 blocks ahead, or into L2 (prefetcht2), timed no better;
+// spread 10 ahead as 6; asking for the next pair's codes during the second pass of 33-64 rows was slower
+// (docs/benchmarks.md, "Round 41").
+constexpr int64_t CODES_AHEAD_BLOCKS = 6;
+
 // amx_pass_steps over a pair's codes: a GGUF block of 32 k is one tile step, so each block is dequantized into a
 // 2 KB tile step and loaded from L1: the weights take no trip through a whole panel. Block t + 1 is dequantized
 // before block t's tiles load, so the tiles read stores made a step earlier and their products run beside the
@@ -710,11 +733,9 @@ struct CodesPass {
     amx_pass_steps<TWO>(
         a, a_stride, blocks, c_out,
         [&](int64_t t) {
-          if (t + 1 < blocks) {
-            for (int64_t l = 0; l < Layout::BYTES / 64; ++l)
-              _mm_prefetch(w + (t + 3) * Layout::BYTES + l * 64, _MM_HINT_T0);
-            Layout::dequantize(codes + (t + 1) * Layout::BYTES, buffer(t + 1));
-          }
+          if (t + 1 < blocks)
+            Layout::dequantize(codes + (t + 1) * Layout::BYTES, buffer(t + 1),
+                               w + (t + CODES_AHEAD_BLOCKS) * Layout::BYTES);
           return reinterpret_cast<const char*>(buffer(t));
         },
         between);
