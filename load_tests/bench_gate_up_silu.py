@@ -1,13 +1,15 @@
 """A bf16 decode step's gate_up and SiLU-and-mul: two ops (the small-batch kernel, then ``silu_and_mul``) or one.
 
 SmolLM2's 30 gate_up weights (3,072 x 576) as random GGUF Q4_1 codes, each
-its own, so they stream from memory as in a decode step. For each row count
-M the two routings take turns ``--rounds`` times and the median of each is
-printed: ``small_linear`` into ``[M, 3072]`` then ``silu_and_mul`` (what a
-decode step ran before round 41), against ``small_linear_silu_mul`` on the
-interleaved pack (``streamkv/model/swiglu.py``), which writes ``act [M,
-1536]`` straight from the AMX kernel. Both results are compared bit for bit
-at every M. Needs AMX-BF16 (the fused op runs only there).
+its own (two packs of 30 x 1.05 MiB, read in turn, as a decode step reads
+its layers'). For each row count M the two routings take turns ``--rounds``
+times and the median of each is printed: the ops as ``decode_layer`` calls
+them, ``small_linear`` into a ``[M, 3072]`` buffer then ``silu_and_mul``
+(what a decode step ran before round 41), against ``small_linear_silu_mul``
+on the interleaved pack (``streamkv/model/swiglu.py``), which writes ``act
+[M, 1536]`` straight from the AMX kernel; no Python between them beyond the
+call. Every weight's two results are then compared bit for bit. Needs
+AMX-BF16 (the fused op runs only there).
 
     .venv/bin/python -m load_tests.bench_gate_up_silu
     .venv/bin/python -m load_tests.bench_gate_up_silu --rows 1,8,32,64 --rounds 30
@@ -42,14 +44,16 @@ def time_rows(
     k: int,
     rounds: int,
 ) -> tuple[tuple[float, float], bool]:
-    """Median ms of (unfused, fused) over every weight at ``rows`` rows, and whether their acts are bitwise equal."""
+    """Median ms of (unfused, fused) over every weight at ``rows`` rows, and whether every weight's acts are equal."""
     x = torch.randn(rows, k).bfloat16()
+    gate_up = x.new_empty(rows, 2 * interleaved[0].intermediate)
     act_unfused = x.new_empty(rows, interleaved[0].intermediate)
     act_fused = x.new_empty(rows, interleaved[0].intermediate)
 
     def unfused() -> None:
         for m in plain:
-            fused.silu_and_mul(act_unfused, m(x))
+            ops.small_linear(gate_up, x, m.packed, None)
+            fused.silu_and_mul(act_unfused, gate_up)
 
     def one_op() -> None:
         for f in interleaved:
@@ -63,8 +67,14 @@ def time_rows(
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+    same = True
+    for m, f in zip(plain, interleaved, strict=True):
+        ops.small_linear(gate_up, x, m.packed, None)
+        fused.silu_and_mul(act_unfused, gate_up)
+        ops.small_linear_silu_mul(act_fused, x, f.packed, None)
+        same = same and torch.equal(act_unfused.view(torch.int16), act_fused.view(torch.int16))
     medians = (statistics.median(times["unfused"]) * 1e3, statistics.median(times["fused"]) * 1e3)
-    return medians, torch.equal(act_unfused.view(torch.int16), act_fused.view(torch.int16))
+    return medians, same
 
 
 def main(argv: list[str] | None = None) -> int:

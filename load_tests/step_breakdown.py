@@ -122,6 +122,7 @@ def instrument(h: DecodeHarness, timers: Timers) -> list[tuple[Any, str, Any]]:
     import streamkv.model.llama as llama
     from streamkv.attention.metadata import AttentionMetadata
     from streamkv.detokenizer import IncrementalDetokenizer
+    from streamkv.model.swiglu import GateUpSiluMul
 
     core, runner, model = h.core, h.core.runner, h.core.runner.model
     w = timers.wrap
@@ -152,6 +153,8 @@ def instrument(h: DecodeHarness, timers: Timers) -> list[tuple[Any, str, Any]]:
             p.append((module, "add_forward", w("    rmsnorm", module.add_forward)))
         elif isinstance(module, llama.MLP):
             p.append((module, "forward", w("    mlp (total)", module.forward)))
+    # a bf16 model on AMX runs gate_up with SiLU-and-mul in one op (streamkv/model/swiglu.py), not gate_up_proj
+    p.append((GateUpSiluMul, "__call__", w("      linear gate_up_proj + SiLU-and-mul", GateUpSiluMul.__call__)))
     return p
 
 
@@ -177,7 +180,8 @@ def step_breakdown(loaded: Any, batch: int, context: int, steps: int, seed: int)
     lin = sum(v for k, v in ms.items() if k.startswith("      linear "))
     ms["    linear (all projections)"] = lin
     mlp_total = ms.pop("    mlp (total)", 0.0)
-    mlp_lin = ms.get("      linear gate_up_proj", 0.0) + ms.get("      linear down_proj", 0.0)
+    mlp_lin = sum(ms.get(f"      linear {name}", 0.0) for name in ("gate_up_proj", "down_proj"))
+    mlp_lin += ms.get("      linear gate_up_proj + SiLU-and-mul", 0.0)
     ms["    activation (silu*up, split)"] = max(0.0, mlp_total - mlp_lin)
     attn = ms.get("    attention (total)", 0.0)
     decode = ms.get("      paged decode (gather+bmm)", 0.0) + ms.get("      paged decode (C++ op)", 0.0)

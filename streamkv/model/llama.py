@@ -281,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
                 second packed copy of each weight (float32 and bfloat16 only); where it
                 takes every batch size (float32 on an AVX2 build) it is the only copy. A
                 bfloat16 model whose ops run AMX tiles also keeps each gate_up once more,
-                interleaved for the fused SiLU-and-mul of prefill rows (:class:`GateUpSiluMul`;
+                interleaved for its fused SiLU-and-mul at every batch (:class:`GateUpSiluMul`;
                 its GGUF codes where ``codes`` has them, else the dense weight).
             int8: every projection and the LM head become their int8 models
                 (:func:`streamkv.model.linear.quantize_int8`, one scale per output),
@@ -480,7 +480,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.fused: ModuleType | None = None
-        # gate_up with SiLU-and-mul in its epilogue for prefill rows on AMX (set by prepack_cpu_weights for bf16)
+        # gate_up with SiLU-and-mul in its epilogue for every batch on AMX (set by prepack_cpu_weights for bf16)
         self.silu_mul: GateUpSiluMul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

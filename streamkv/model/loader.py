@@ -335,7 +335,7 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) 
     fused_gate_up = [m.silu_mul for m in model.modules() if isinstance(m, MLP) and m.silu_mul is not None]
     if fused_gate_up:
         fused_mib = sum(f.nbytes for f in fused_gate_up) / 2**20
-        where += f"; prefill gate_up with SiLU-and-mul in its epilogue, on AMX tiles ({fused_mib:.0f} MiB more)"
+        where += f"; gate_up with SiLU-and-mul in its epilogue, on AMX tiles ({fused_mib:.0f} MiB more)"
     logger.info(
         "small-batch linear kernel for matmuls of <= %d rows (decode steps)%s: %.0f MiB of weights packed for it",
         rows,

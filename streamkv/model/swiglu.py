@@ -14,9 +14,9 @@ large a chunk. Against oneDNN's gate_up followed by ``silu_and_mul``
 41 it takes a decode step's rows too (on the GGUF's codes the small-batch
 kernel's own walk, the codes dequantized a tile step at a time up to 64
 rows), which saves the separate ``silu_and_mul`` and its parallel region:
-30 layers' gate_up at 1 / 32 / 64 rows 2.20 / 3.59 / 5.83 ms unfused against
-2.00 / 2.95 / 4.80 fused (``python -m load_tests.bench_gate_up_silu``;
-docs/benchmarks.md, "Round 41").
+30 layers' gate_up at 1 / 8 / 32 / 64 rows 1.97 / 2.27 / 3.45 / 5.11 ms
+unfused against 1.88 / 2.10 / 2.86 / 4.38 fused (``python -m
+load_tests.bench_gate_up_silu``; docs/benchmarks.md, "Round 41").
 
 Only where the AMX-BF16 kernel runs (``small_linear_silu_mul_supported``:
 the build has it and the AMX switch is on); elsewhere the MLP runs its

@@ -102,8 +102,11 @@ def test_bitwise_silu_and_mul_of_the_unfused_matmul(
 @NO_AMX
 @pytest.mark.usefixtures("amx_on")
 @pytest.mark.parametrize("kind", ["dense", "q4_1", "q8_0"])
-def test_special_values_strided_rows_and_one_thread_over_many_chunks(kind: str) -> None:
-    intermediate, k, rows = 1536, 576, 176  # 96 pairs of 36 KB panels: 4 chunks of 1 MB on one thread; 32-row passes
+# 176 rows: 96 pairs of 36 KB panels, 4 chunks of 1 MB on one thread, 32-row passes; 40: a decode batch (on codes,
+# two passes over each pair, the first dequantizing a tile step at a time)
+@pytest.mark.parametrize("rows", [40, 176])
+def test_special_values_strided_rows_and_one_thread_over_many_chunks(kind: str, rows: int) -> None:
+    intermediate, k = 1536, 576
     plain, interleaved = packs(kind, intermediate, k, seed=3)
     g = torch.Generator().manual_seed(4)
     big = torch.randn(rows, k + 64, generator=g).bfloat16()
@@ -206,7 +209,7 @@ def test_a_bf16_mlp_runs_every_batch_fused_with_the_unfused_bits(mlp_bias: bool)
             original(act, *args)
 
     mlp.silu_mul = GateUpSiluMul(Spy(), mlp.silu_mul.packed, mlp.silu_mul.intermediate, mlp.silu_mul.bias)  # type: ignore[arg-type]
-    for rows in (1, 64, 65, 129, 700):  # decode rows (the codes' walk, then panels) and prefill rows
+    for rows in (1, 64, 65, 129, 700):  # decode rows (one and two passes a pair, then 65-128) and prefill rows
         x = torch.randn(rows, 64).bfloat16()
         with torch.inference_mode():
             got = mlp.forward(x)
@@ -218,6 +221,7 @@ def test_a_bf16_mlp_runs_every_batch_fused_with_the_unfused_bits(mlp_bias: bool)
     before = set_amx(False)
     try:
         mlp.forward(torch.randn(700, 64).bfloat16())  # AMX off: the unfused path (oneDNN's gate_up)
+        mlp.forward(torch.randn(1, 64).bfloat16())  # and the small-batch kernel's
     finally:
         set_amx(before)
     assert calls == [1, 64, 65, 129, 700]

@@ -625,8 +625,9 @@ inline __m512 half_to_float16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Asks for the lines of the block at `ahead` (none when null) into L1, one or two at each of a dequantize's 16
-// steps: spread out, so the requests of a block do not all wait for the core's few L1 miss buffers at once.
+// Asks for the lines of the block at `ahead` (none when null) into L1, at most two at each of a dequantize's 16
+// steps (Q4_1's 10 lines: none at 6 of them): spread out, so the requests of a block do not all wait for the
+// core's few L1 miss buffers at once.
 template <int64_t BYTES>
 inline void ask_spread(const char* ahead, int64_t t) {
   constexpr int64_t LINES = (BYTES + 63) / 64;
@@ -699,13 +700,12 @@ inline void dequantize_pair_bf16(const uint8_t* w, int64_t blocks, const uint8_t
 #if defined(STREAMKV_AMX)
 // How far ahead CodesPass asks for codes: the block CODES_AHEAD_BLOCKS after the one it dequantizes (past the
 // pair's end, the next pair's blocks, which follow in memory), its lines spread over that dequantize's steps
-// (ask_spread). Before, each block's 10 (Q4_1) or 17 (Q8_0) lines were asked for at once, 3 blocks ahead: a bf16
+// (ask_spread). Before, each block's 10 (Q4_1) or 17 (Q8_0) lines were asked for at once, 2 blocks ahead: a bf16
 // decode step's matmuls (load_tests/bench_small_linear.py --dtypes gguf_bf16, three turns against that build) at
-// 1 / 8 / 48 rows took 8.25-8.59 / 7.80-7.87 / 12.67-13.14 ms, spread and 6 ahead 8.16-8.34 / 7.47-7.52 /
-// 12.14-12.32, 32 and 64 rows level. All at once 8 or 16 blocks ahead, or into L2 (prefetcht2), timed no better;
-// spread 10 ahead as 6; asking for the next pair's codes during the second pass of 33-64 rows was slower
-// (docs/benchmarks.md, "Round 41").
-constexpr int64_t CODES_AHEAD_BLOCKS = 6;
+// 1 / 8 rows took 8.17-9.27 / 7.60-7.78 ms, now 7.74-7.85 / 7.26-7.40; 32-64 rows level. All at once 7 or 15
+// blocks ahead, or into L2 (prefetcht2), timed no better; spread 9 ahead as 5; asking for the next pair's codes
+// during the second pass of 33-64 rows was slower (docs/benchmarks.md, "Round 41").
+constexpr int64_t CODES_AHEAD_BLOCKS = 5;
 
 // amx_pass_steps over a pair's codes: a GGUF block of 32 k is one tile step, so each block is dequantized into a
 // 2 KB tile step and loaded from L1: the weights take no trip through a whole panel. Block t + 1 is dequantized
@@ -729,13 +729,14 @@ struct CodesPass {
     alignas(64) uint16_t ring[2][STEP];
     const auto buffer = [&](int64_t t) { return panel != nullptr ? panel + t * STEP : ring[t & 1]; };
     const auto* codes = reinterpret_cast<const uint8_t*>(w);
-    if (blocks > 0) Layout::dequantize(codes, buffer(0));  // K = 0: no block; the outputs are the bias
+    if (blocks > 0)  // K = 0: no block; the outputs are the bias
+      Layout::dequantize(codes, buffer(0), w + CODES_AHEAD_BLOCKS * Layout::BYTES);
     amx_pass_steps<TWO>(
         a, a_stride, blocks, c_out,
         [&](int64_t t) {
           if (t + 1 < blocks)
             Layout::dequantize(codes + (t + 1) * Layout::BYTES, buffer(t + 1),
-                               w + (t + CODES_AHEAD_BLOCKS) * Layout::BYTES);
+                               w + (t + 1 + CODES_AHEAD_BLOCKS) * Layout::BYTES);
           return reinterpret_cast<const char*>(buffer(t));
         },
         between);
@@ -743,11 +744,11 @@ struct CodesPass {
 };
 #endif
 
-// The most rows run_gguf_bf16 runs through CodesPass on AMX: two passes of 32 rows, the first dequantizing the
-// codes a tile step at a time, the second reading the panel the first laid out. Round 31 measured the old form
-// (the second pass dequantizing again) against panels dequantized before the passes: a decode step's matmuls
-// (load_tests/bench_small_linear.py --dtypes gguf_bf16, three alternations, as a share of oneDNN's time in the
-// same run) 48 rows 0.70-0.76 -> 0.68-0.70, 64 rows 0.73-0.78 -> 0.69-0.77; at 96 and 128 rows the dequantized
+// The most rows run_gguf_bf16 and run_silu_mul run through CodesPass on AMX: two passes of 32 rows, the first
+// dequantizing the codes a tile step at a time, the second reading the panel the first laid out. Round 31 measured
+// the old form (the second pass dequantizing again) against panels dequantized before the passes: a decode step's
+// matmuls (load_tests/bench_small_linear.py --dtypes gguf_bf16, three alternations, as a share of oneDNN's time in
+// the same run) 48 rows 0.70-0.76 -> 0.68-0.70, 64 rows 0.73-0.78 -> 0.69-0.77; at 96 and 128 rows the dequantized
 // panels stay faster (24.5 / 28.3 against 26.3 / 35.4 ms; docs/benchmarks.md, "Round 31").
 constexpr int64_t AMX_CODES_MAX_ROWS = 64;
 
@@ -816,7 +817,7 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 #endif
 
 #if defined(STREAMKV_AMX)
-// SwiGLU's gate_up with SiLU-and-mul in its epilogue, for prefill-sized bf16 batches (small_linear_silu_mul). W is
+// SwiGLU's gate_up with SiLU-and-mul in its epilogue, for bf16 batches of any size (small_linear_silu_mul). W is
 // gate_up [2I, K] with its rows interleaved 16 at a time (pair q: gate rows 16 q .. 16 q + 15, then the same rows
 // of up), so a pass's 32 columns are 16 gate columns and their 16 up columns, and act [M, I] comes straight out of
 // the pass: the [M, 2I] gate_up (25 MB at 4,096 rows of SmolLM2) no longer goes to memory for silu_and_mul to read
