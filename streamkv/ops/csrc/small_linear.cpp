@@ -565,16 +565,12 @@ void run_amx_passes(const at::Tensor& x, int64_t pairs, int64_t k_tiles, int64_t
       [&](PendingPass& p) { drain(p, p.rows); });
 }
 
-// out [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias): run_amx_passes, each pass stored by store_pass.
-template <typename Panels, typename Pass>
-void run_amx_panels(at::Tensor& out, const at::Tensor& x, int64_t pairs, const float* bias, int64_t n,
-                    int64_t panel_bytes, const Panels& panels, const Pass& pass_fn) {
-  at::BFloat16* yp = out.data_ptr<at::BFloat16>();
-  const int64_t y_stride = out.stride(0);
-  run_amx_passes(x, pairs, x.size(1) / AMX_K, panel_bytes, panels, pass_fn,
-                 [&](const float* c, int64_t r_begin, int64_t r_end, int64_t pair, int64_t r0) {
-                   store_pass(c, r_begin, r_end, pair, n, bias, yp, y_stride, r0);
-                 });
+// run_amx_passes' store for out [M, N] bf16 = x W^T (+ bias): each pass stored by store_pass.
+inline auto out_store(at::Tensor& out, const float* bias, int64_t n) {
+  return [yp = out.data_ptr<at::BFloat16>(), y_stride = out.stride(0), bias, n](
+             const float* c, int64_t r_begin, int64_t r_end, int64_t pair, int64_t r0) {
+    store_pass(c, r_begin, r_end, pair, n, bias, yp, y_stride, r0);
+  };
 }
 
 // One pass of amx_pass_steps over a panel in pack_small_linear's bf16 layout (k_tiles tile steps).
@@ -587,12 +583,18 @@ struct PanelPass {
   }
 };
 
-// run_amx_panels on a packed bf16 weight (pack_small_linear).
-void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+// run_amx_passes over a packed bf16 weight (pack_small_linear), each pass handed to store.
+template <typename Store>
+void dense_passes(const at::Tensor& x, const at::Tensor& packed, const Store& store) {
   const char* wp = reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>());
   const int64_t k_tiles = x.size(1) / AMX_K, panel_bytes = k_tiles * AMX_STEP_BYTES;
-  run_amx_panels(out, x, packed.size(0), bias, n, panel_bytes,
-                 [&](int64_t p0, int64_t) { return wp + p0 * panel_bytes; }, PanelPass{k_tiles});
+  run_amx_passes(x, packed.size(0), k_tiles, panel_bytes, [&](int64_t p0, int64_t) { return wp + p0 * panel_bytes; },
+                 PanelPass{k_tiles}, store);
+}
+
+// out = x W^T (+ bias) on a packed bf16 weight.
+void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+  dense_passes(x, packed, out_store(out, bias, n));
 }
 #endif
 
@@ -769,14 +771,30 @@ auto dequantized_panels(const uint8_t* wp, int64_t pairs, int64_t blocks, int64_
     return reinterpret_cast<const char*>(panel);
   };
 }
+
+// run_amx_passes over GGUF codes in Layout's order (packed [pairs, blocks, ...]), each pass handed to store: up to
+// AMX_CODES_MAX_ROWS rows (decode batches) CodesPass on the codes themselves; more rows, over panels dequantized
+// into a thread-local buffer, one pair at a time up to AMX_PANEL_MAJOR_ROWS rows and a chunk of pairs
+// (AMX_CHUNK_BYTES of bf16) past them, each panel dequantized once a call.
+template <typename Layout, typename Store>
+void codes_passes(const at::Tensor& x, const at::Tensor& packed, const Store& store) {
+  const int64_t k = x.size(1), k_tiles = k / AMX_K, pairs = packed.size(0), blocks = packed.size(1);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  if (x.size(0) <= AMX_CODES_MAX_ROWS) {
+    const int64_t pair_bytes = blocks * Layout::BYTES;
+    const char* codes = reinterpret_cast<const char*>(wp);
+    run_amx_passes(x, pairs, k_tiles, pair_bytes, [&](int64_t p0, int64_t) { return codes + p0 * pair_bytes; },
+                   CodesPass<Layout>{blocks}, store);
+    return;
+  }
+  run_amx_passes(x, pairs, k_tiles, k * 2 * LANES * 2, dequantized_panels<Layout>(wp, pairs, blocks, k),
+                 PanelPass{k_tiles}, store);
+}
 #endif
 
 // y = x W^T (+ b) for bf16 x and out, W as GGUF codes in Layout's order, packed [N/32, K/32, Layout::BYTES / 16,
-// 16]. On AMX, up to AMX_CODES_MAX_ROWS rows (decode batches) run_amx_panels runs CodesPass on the codes
-// themselves; more rows, over panels dequantized into a thread-local buffer, one pair at a time up to
-// AMX_PANEL_MAJOR_ROWS rows and a chunk of pairs (AMX_CHUNK_BYTES of bf16) past them, each panel dequantized once
-// a call. Without AMX: run()'s passes of vdpbf16ps over each pair's dequantized panel. Either way a row's result
-// is the dense bf16 kernel's on the dequantized bf16 weight, bitwise, whatever its batch.
+// 16]. On AMX, codes_passes; without AMX, run()'s passes of vdpbf16ps over each pair's dequantized panel. Either
+// way a row's result is the dense bf16 kernel's on the dequantized bf16 weight, bitwise, whatever its batch.
 template <typename Layout>
 void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1), pairs = packed.size(0);
@@ -786,14 +804,7 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   const int64_t panel_elems = k * 2 * LANES;  // bf16 of a pair's panel
 #if defined(STREAMKV_AMX)
   if (amx_takes(k) && amx_on()) {
-    if (m <= AMX_CODES_MAX_ROWS) {
-      const char* codes = reinterpret_cast<const char*>(wp);
-      run_amx_panels(out, x, pairs, bias, n, pair_bytes, [&](int64_t p0, int64_t) { return codes + p0 * pair_bytes; },
-                     CodesPass<Layout>{blocks});
-      return;
-    }
-    run_amx_panels(out, x, pairs, bias, n, panel_elems * 2, dequantized_panels<Layout>(wp, pairs, blocks, k),
-                   PanelPass{k / AMX_K});
+    codes_passes<Layout>(x, packed, out_store(out, bias, n));
     return;
   }
 #endif
@@ -836,40 +847,21 @@ inline void store_silu_mul_pass(const float* c, int64_t r_begin, int64_t r_end, 
   }
 }
 
-// act [M, I] from x [M, K] on the interleaved gate_up, packed dense (pack_small_linear, bf16) or as bf16 GGUF codes;
-// run_amx_passes over the weight's panels, as run_amx and run_gguf_bf16 walk them: on codes, CodesPass up to
-// AMX_CODES_MAX_ROWS rows (a decode step's), else codes dequantized a chunk of pairs at a time, each pair once a call.
+// act [M, I] from x [M, K] on the interleaved gate_up, packed dense (pack_small_linear, bf16) or as bf16 GGUF codes:
+// the walk of run_amx or run_gguf_bf16 (dense_passes, codes_passes), each pass stored by store_silu_mul_pass.
 void run_silu_mul(at::Tensor& act, const at::Tensor& x, const at::Tensor& packed, const float* bias) {
   const float* table = streamkv::bf16_silu_table();  // built here, before the parallel region
   at::BFloat16* ap = act.data_ptr<at::BFloat16>();
-  const int64_t a_stride = act.stride(0), k = x.size(1), pairs = packed.size(0), k_tiles = k / AMX_K;
+  const int64_t a_stride = act.stride(0);
   const auto store = [&](const float* c, int64_t r_begin, int64_t r_end, int64_t pair, int64_t r0) {
     store_silu_mul_pass(c, r_begin, r_end, pair, bias, table, ap, a_stride, r0);
   };
-  if (packed.scalar_type() == at::kBFloat16) {
-    const char* wp = reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>());
-    const int64_t panel_bytes = k_tiles * AMX_STEP_BYTES;
-    run_amx_passes(x, pairs, k_tiles, panel_bytes, [&](int64_t p0, int64_t) { return wp + p0 * panel_bytes; },
-                   PanelPass{k_tiles}, store);
-    return;
-  }
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int64_t blocks = packed.size(1), panel_bytes = k * 2 * LANES * 2;
-  const auto run = [&]<typename Layout>() {
-    if (x.size(0) <= AMX_CODES_MAX_ROWS) {
-      const int64_t pair_bytes = blocks * Layout::BYTES;
-      const char* codes = reinterpret_cast<const char*>(wp);
-      run_amx_passes(x, pairs, k_tiles, pair_bytes, [&](int64_t p0, int64_t) { return codes + p0 * pair_bytes; },
-                     CodesPass<Layout>{blocks}, store);
-      return;
-    }
-    run_amx_passes(x, pairs, k_tiles, panel_bytes, dequantized_panels<Layout>(wp, pairs, blocks, k),
-                   PanelPass{k_tiles}, store);
-  };
-  if (packed.size(2) == Q4_1_BF16_LINES)
-    run.template operator()<Q4_1Bf16>();
+  if (packed.scalar_type() == at::kBFloat16)
+    dense_passes(x, packed, store);
+  else if (packed.size(2) == Q4_1_BF16_LINES)
+    codes_passes<Q4_1Bf16>(x, packed, store);
   else
-    run.template operator()<Q8_0Bf16>();
+    codes_passes<Q8_0Bf16>(x, packed, store);
 }
 #endif
 
@@ -1510,7 +1502,7 @@ inline void amx_int8_pass(const int8_t* hi, const uint8_t* lo, int64_t a_stride,
     }
 }
 
-// run_int8's contract on AMX tiles, 16 rows a pass; the walk (and its panel buffers) as run_amx_panels'.
+// run_int8's contract on AMX tiles, 16 rows a pass; the walk (and its panel buffers) as run_amx_passes'.
 template <typename T>
 void run_amx_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* wscale,
                   const float* bias, int64_t n) {
@@ -1541,7 +1533,8 @@ void run_amx_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
   const int64_t pair_bytes = steps * 4 * LANES;
   const int64_t passes = (mp + AMX_ROWS - 1) / AMX_ROWS;
   // One pass a pair (up to 16 rows): each tile step is laid out in L1 just before its tiles load (CodesPass lays
-  // its steps out one ahead); more: whole panels (k_tiles steps a pair), laid out once a call and walked as run_amx_panels walks.
+  // its steps out one ahead); more: whole panels (k_tiles steps a pair), laid out once a call and walked as
+  // run_amx_passes walks them.
   const bool streamed = passes == 1;
   const int64_t panel_bytes = streamed ? pair_bytes : k_tiles * AMX_INT8_STEP_BYTES;
   const auto panels = [&](int64_t p0, int64_t p1) {
