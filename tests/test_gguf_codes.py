@@ -246,7 +246,7 @@ def test_bf16_codes_give_the_weights_bf16_rounding_bitwise(kind: str, use_amx: b
 @pytest.mark.parametrize("use_amx", [True, False], ids=["amx", "vdpbf16ps"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (50, 64), (33, 32)])
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 17, 32, 33, 48, 64, 65, 128, 129, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 11, 12, 13, 16, 17, 32, 33, 48, 64, 65, 128, 129, 300])
 def test_bitwise_the_bf16_kernel_on_the_rounded_weight(kind: str, n: int, k: int, rows: int, use_amx: bool) -> None:
     c = random_codes(kind, n, k, seed=rows)
     w = c.dequantize().to(torch.bfloat16)
@@ -266,8 +266,9 @@ def test_bitwise_the_bf16_kernel_on_the_rounded_weight(kind: str, n: int, k: int
 @pytest.mark.parametrize("use_amx", [True, False], ids=["amx", "vdpbf16ps"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_special_scales_and_one_thread_over_many_chunks(kind: str, use_amx: bool) -> None:
-    """d = 0, negative d, m = 0, fp16 subnormal and largest d and m round as torch rounds them; on one thread a
-    4,096-column weight at 129 rows walks several chunks of dequantized panels through one reused buffer."""
+    """d = 0, negative d, m = 0, fp16 subnormal and largest d and m round as torch rounds them, at 7 rows (one pass,
+    without AMX the codes dequantized in registers) and 129; on one thread a 4,096-column weight at 129 rows walks
+    several chunks of dequantized panels through one reused buffer."""
     c = random_codes(kind, 4096, 64, seed=7)
     special = torch.tensor([0.0, -0.003, 6e-8, 65504.0, -65504.0, -0.0]).half()
     c.d.view(-1)[: 6 * 64 : 64] = special
@@ -277,17 +278,20 @@ def test_bf16_special_scales_and_one_thread_over_many_chunks(kind: str, use_amx:
     got = torch.empty(64, 4096, dtype=torch.bfloat16)
     x = torch.randn(129, 64).bfloat16()
     out, expected = (torch.empty(129, 4096, dtype=torch.bfloat16) for _ in range(2))
+    few = torch.empty(7, 4096, dtype=torch.bfloat16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with amx(use_amx):
             ops.small_linear(got, torch.eye(64, dtype=torch.bfloat16), c.pack(ops, bf16=True), None)
             ops.small_linear(out, x, c.pack(ops, bf16=True), None)
+            ops.small_linear(few, x[:7], c.pack(ops, bf16=True), None)
             ops.small_linear(expected, x, ops.pack_small_linear(w), None)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(got.T, w)
     assert torch.equal(out, expected)
+    assert torch.equal(few, expected[:7])
 
 
 @pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=needs_bf16)], ids=["fp32", "bf16"])

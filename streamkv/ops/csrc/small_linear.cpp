@@ -637,12 +637,15 @@ inline void ask_spread(const char* ahead, int64_t t) {
   for (int64_t l = t * LINES / 16; l < (t + 1) * LINES / 16; ++l) _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
 }
 
-// One 32-k block of a pair (16 step pairs x 2 column blocks) into 16 x 64 bf16 of the panel; the lines of the
-// block at `ahead` asked for on the way (ask_spread).
+// One 32-k block of a pair: its scales read once, then step(t) gives step pair t's two 64-byte lines of the bf16
+// panel (column blocks 0 and 1, each 16 columns x (k, k + 1)), dequantized exactly in fp32 and rounded once.
+// dequantize() lays the block's 16 step pairs out as 16 x 64 bf16 of the panel, asking for the lines of the block
+// at `ahead` on the way (ask_spread); column_pair_codes_bf16 takes the lines straight from step().
 struct Q4_1Bf16 {
   static constexpr int64_t BYTES = Q4_1_BF16_LINES * 16;
-  static void dequantize(const uint8_t* blk, uint16_t* dst, const char* ahead = nullptr) {
-    __m512 d[2][2], m[2][2];  // [column block][half]
+  __m512 d[2][2], m[2][2];  // [column block][half]
+  const uint8_t* codes;
+  explicit Q4_1Bf16(const uint8_t* blk) : codes(blk) {
     for (int c = 0; c < 2; ++c) {
       const __m512 dc = half_to_float16(blk + 512 + 32 * c), mc = half_to_float16(blk + 576 + 32 * c);
       for (int h = 0; h < 2; ++h) {
@@ -650,42 +653,59 @@ struct Q4_1Bf16 {
         m[c][h] = column_pairs(mc, h);
       }
     }
-    for (int64_t t = 0; t < GGUF_K / 2; ++t) {
-      ask_spread<BYTES>(ahead, t);
-      __m512 w[2][2];
-      for (int h = 0; h < 2; ++h) {
-        const __m512i q =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (2 * t + h) * 16)));
-        w[0][h] = _mm512_fmadd_ps(d[0][h], nibble_to_float(q), m[0][h]);
-        w[1][h] = _mm512_fmadd_ps(d[1][h], nibble_to_float(_mm512_srli_epi32(q, 4)), m[1][h]);
-      }
-      for (int c = 0; c < 2; ++c)
-        _mm512_store_si512(dst + t * 4 * LANES + c * 2 * LANES, (__m512i)_mm512_cvtne2ps_pbh(w[c][1], w[c][0]));
-    }
   }
+  void step(int64_t t, __m512i (&line)[2]) const {
+    __m512 w[2][2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * t + h) * 16)));
+      w[0][h] = _mm512_fmadd_ps(d[0][h], nibble_to_float(q), m[0][h]);
+      w[1][h] = _mm512_fmadd_ps(d[1][h], nibble_to_float(_mm512_srli_epi32(q, 4)), m[1][h]);
+    }
+    for (int c = 0; c < 2; ++c) line[c] = (__m512i)_mm512_cvtne2ps_pbh(w[c][1], w[c][0]);
+  }
+  static void dequantize(const uint8_t* blk, uint16_t* dst, const char* ahead = nullptr);
 };
 
 struct Q8_0Bf16 {
   static constexpr int64_t BYTES = Q8_0_BF16_LINES * 16;
-  static void dequantize(const uint8_t* blk, uint16_t* dst, const char* ahead = nullptr) {
-    __m512 d[2][2];
+  __m512 d[2][2];
+  const uint8_t* codes;
+  explicit Q8_0Bf16(const uint8_t* blk) : codes(blk) {
     for (int c = 0; c < 2; ++c) {
       const __m512 dc = half_to_float16(blk + 1024 + 32 * c);
       for (int h = 0; h < 2; ++h) d[c][h] = column_pairs(dc, h);
     }
-    for (int64_t t = 0; t < GGUF_K / 2; ++t) {
-      ask_spread<BYTES>(ahead, t);
-      for (int c = 0; c < 2; ++c) {
-        __m512 w[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (4 * t + 2 * c + h) * 16));
-          w[h] = _mm512_mul_ps(d[c][h], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
-        }
-        _mm512_store_si512(dst + t * 4 * LANES + c * 2 * LANES, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+  }
+  void step(int64_t t, __m512i (&line)[2]) const {
+    for (int c = 0; c < 2; ++c) {
+      __m512 w[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (4 * t + 2 * c + h) * 16));
+        w[h] = _mm512_mul_ps(d[c][h], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
       }
+      line[c] = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]);
     }
   }
+  static void dequantize(const uint8_t* blk, uint16_t* dst, const char* ahead = nullptr);
 };
+
+template <typename Layout>
+inline void dequantize_block_bf16(const uint8_t* blk, uint16_t* dst, const char* ahead) {
+  const Layout block(blk);
+  for (int64_t t = 0; t < GGUF_K / 2; ++t) {
+    ask_spread<Layout::BYTES>(ahead, t);
+    __m512i line[2];
+    block.step(t, line);
+    for (int c = 0; c < 2; ++c) _mm512_store_si512(dst + t * 4 * LANES + c * 2 * LANES, line[c]);
+  }
+}
+inline void Q4_1Bf16::dequantize(const uint8_t* blk, uint16_t* dst, const char* ahead) {
+  dequantize_block_bf16<Q4_1Bf16>(blk, dst, ahead);
+}
+inline void Q8_0Bf16::dequantize(const uint8_t* blk, uint16_t* dst, const char* ahead) {
+  dequantize_block_bf16<Q8_0Bf16>(blk, dst, ahead);
+}
 
 // A pair's whole panel dequantized into bf16 in pack_small_linear's layout [K/2, 2, 16, 2] (panel: 64-byte
 // aligned), the next pair's codes asked for a block's lines at each block (next: none when null).
@@ -792,9 +812,54 @@ void codes_passes(const at::Tensor& x, const at::Tensor& packed, const Store& st
 }
 #endif
 
+// How far ahead column_pair_codes_bf16 asks for codes: the block CODES_BF16_AHEAD past the one it dequantizes (past
+// the pair's end, the next pair's blocks, which follow in memory), its lines spread over the block's steps.
+constexpr int64_t CODES_BF16_AHEAD = 5;
+
+// column_pair for bf16 x on GGUF codes (no AMX), rows [m0, m0 + R) in one pass: each step pair's two lines
+// dequantized in registers (Layout::step) and used at once, where the panel path stores them and loads them back.
+// The same vdpbf16ps chain on the same bf16 lines, k ascending, so the same bits as column_pair on the panel.
+template <typename Layout, int R>
+inline void column_pair_codes_bf16(const at::BFloat16* x, int64_t x_stride, at::BFloat16* y, int64_t y_stride,
+                                   const uint8_t* w, const float* bias, int64_t m0, int64_t n, int64_t blocks) {
+  __m512 acc[2][R];
+  for (int c = 0; c < 2; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  const at::BFloat16* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * x_stride;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Layout block(w + b * Layout::BYTES);
+    const char* ahead = reinterpret_cast<const char*>(w) + (b + CODES_BF16_AHEAD) * Layout::BYTES;
+    for (int64_t t = 0; t < GGUF_K / 2; ++t) {
+      ask_spread<Layout::BYTES>(ahead, t);
+      __m512i line[2];
+      block.step(t, line);
+      const int64_t s = b * (GGUF_K / 2) + t;
+      for (int r = 0; r < R; ++r) {
+        int32_t x_pair;
+        std::memcpy(&x_pair, xr[r] + 2 * s, sizeof(x_pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(x_pair);
+        for (int c = 0; c < 2; ++c) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], xv, (__m512bh)line[c]);
+      }
+    }
+  }
+  store_pair<at::BFloat16, R>(acc, y, y_stride, bias, m0, 0, n);  // y, bias and n start at the pair's first column
+}
+
+template <typename Layout, int R = FLOAT_ROWS>
+inline void column_pair_codes_bf16_rows(int64_t rows, const at::BFloat16* x, int64_t x_stride, at::BFloat16* y,
+                                        int64_t y_stride, const uint8_t* w, const float* bias, int64_t n,
+                                        int64_t blocks) {
+  if constexpr (R > 1) {
+    if (rows < R) return column_pair_codes_bf16_rows<Layout, R - 1>(rows, x, x_stride, y, y_stride, w, bias, n, blocks);
+  }
+  column_pair_codes_bf16<Layout, R>(x, x_stride, y, y_stride, w, bias, 0, n, blocks);
+}
+
 // y = x W^T (+ b) for bf16 x and out, W as GGUF codes in Layout's order, packed [N/32, K/32, Layout::BYTES / 16,
-// 16]. On AMX, codes_passes; without AMX, run()'s passes of vdpbf16ps over each pair's dequantized panel. Either
-// way a row's result is the dense bf16 kernel's on the dequantized bf16 weight, bitwise, whatever its batch.
+// 16]. On AMX, codes_passes; without AMX, up to FLOAT_ROWS rows one pass of column_pair_codes_bf16 (the codes
+// dequantized in registers), past them run()'s passes of vdpbf16ps over each pair's dequantized panel. Either way a
+// row's result is the dense bf16 kernel's on the dequantized bf16 weight, bitwise, whatever its batch.
 template <typename Layout>
 void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1), pairs = packed.size(0);
@@ -813,10 +878,15 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   const int64_t passes = (m + FLOAT_ROWS - 1) / FLOAT_ROWS;
   const int64_t rows_per_pass = (m + passes - 1) / passes;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    uint16_t* panel = thread_scratch<uint16_t>(panel_elems);
+    uint16_t* panel = passes > 1 ? thread_scratch<uint16_t>(panel_elems) : nullptr;
     for (int64_t pair = begin; pair < end; ++pair) {
       const uint8_t* w = wp + pair * pair_bytes;
       const int64_t col = pair * 2 * LANES;
+      if (passes == 1) {
+        column_pair_codes_bf16_rows<Layout>(m, xp, x.stride(0), yp + col, out.stride(0), w, bias ? bias + col : nullptr,
+                                            n - col, blocks);
+        continue;
+      }
       dequantize_pair_bf16<Layout>(w, blocks, pair + 1 < end ? w + pair_bytes : nullptr, panel);
       for (int64_t m0 = 0; m0 < m; m0 += rows_per_pass)
         column_pair_rows<at::BFloat16>(std::min(rows_per_pass, m - m0), xp, x.stride(0), yp + col, out.stride(0),
