@@ -269,13 +269,17 @@ struct DecodeView {
   }
 };
 
-// Asks for one K or V row (its cache lines) ahead of its use (hints T0, T1, T2 and NTA timed the same here).
-// prefetcht0 is a volatile asm, not _mm_prefetch: GCC counts a prefetch builtin as no side effect, so a lambda that
-// only asks ahead is found pure and every call to it deleted (gcc 12 -O3 dropped all of decode_avx2's prefetches).
+// Asks for one K or V row (its cache lines) ahead of its use, into L2 (prefetcht2). On the Intel hosts the hints T0,
+// T1, T2 and NTA timed the same; on Zen 4 (AMD EPYC, 2 threads, 30 layers' pools from memory) prefetcht0 held the
+// core's few L1 miss buffers and fp32 rows ran at 17 GB/s: B=32 x 160 tokens 13.3-13.7 -> 8.0-8.3 ms, B=64 x 160
+// 27.8 -> 13.4-16.3, 32 x 1,000 84-89 -> 42-56 (docs/benchmarks.md, "Round 42"), as decode_avx512_bf16_seqs found
+// for its spans on the Intel AMX host. The prefetch is a volatile asm, not _mm_prefetch: GCC counts a prefetch
+// builtin as no side effect, so a lambda that only asks ahead is found pure and every call to it deleted (gcc 12
+// -O3 dropped all of decode_avx2's prefetches).
 template <typename kv_t>
 inline void prefetch_row(const kv_t* row, int64_t row_bytes) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < row_bytes; off += 64) asm volatile("prefetcht0 %0" : : "m"(p[off]));
+  for (int64_t off = 0; off < row_bytes; off += 64) asm volatile("prefetcht2 %0" : : "m"(p[off]));
 }
 
 // How many rows ahead of its use a row is asked for (two blocks of 16): 16 was slower on fp32 and bf16 B=64
