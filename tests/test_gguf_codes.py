@@ -296,14 +296,15 @@ def test_bf16_special_scales_and_one_thread_over_many_chunks(kind: str, use_amx:
 
 @pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=needs_bf16)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_strided_rows_and_no_rows(kind: str, bf16: bool) -> None:
+@pytest.mark.parametrize("rows", [7, 20])  # one pass (codes dequantized in registers), two (a panel)
+def test_strided_rows_and_no_rows(kind: str, bf16: bool, rows: int) -> None:
     dtype = torch.bfloat16 if bf16 else torch.float32
     c = random_codes(kind, 70, 128)
     packed = c.pack(ops, bf16=bf16)
-    x = torch.randn(20, 256).to(dtype)[:, :128]  # rows 256 apart
-    out = torch.empty(20, 140, dtype=dtype)[:, :70]
+    x = torch.randn(rows, 256).to(dtype)[:, :128]  # rows 256 apart
+    out = torch.empty(rows, 140, dtype=dtype)[:, :70]
     ops.small_linear(out, x, packed, None)
-    expected = torch.empty(20, 70, dtype=dtype)
+    expected = torch.empty(rows, 70, dtype=dtype)
     ops.small_linear(expected, x.contiguous(), ops.pack_small_linear(c.dequantize().to(dtype)), None)
     assert torch.equal(out, expected)
     empty = torch.empty(0, 70, dtype=dtype)

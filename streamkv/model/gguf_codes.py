@@ -13,7 +13,8 @@ kernel's sums in the same order, so a decode step reads ~5 bits (Q4_1) or
 8.5 bits (Q8_0) a weight instead of 32 and its logits are bitwise those of
 the float32 weights. A bfloat16 model holds each weight rounded once to
 bf16; its kernel rounds the same fp32 dequantization the same way (into a
-bf16 panel for the AMX tiles or ``vdpbf16ps``), so a bf16 decode step reads
+bf16 panel for the AMX tiles or ``vdpbf16ps``; without AMX, up to 12
+rows, straight from registers into ``vdpbf16ps``), so a bf16 decode step reads
 the codes instead of 16 bits a weight, with the bf16 weights' bits.
 
 :func:`read_gguf_codes` reads the codes of each projection, fused as our

@@ -269,7 +269,8 @@ struct DecodeView {
   }
 };
 
-// Asks for one K or V row (its cache lines) ahead of its use, into L2 (prefetcht2). On the Intel hosts the hints T0,
+// Asks for one K or V row (its cache lines) ahead of its use, into L2 (prefetcht2), for every RowsAhead cursor
+// (decode_avx512, the one-task-per-head bf16 and int8 kernels) and decode_avx2. On the Intel hosts the hints T0,
 // T1, T2 and NTA timed the same; on Zen 4 (AMD EPYC, 2 threads, 30 layers' pools from memory) prefetcht0 held the
 // core's few L1 miss buffers and fp32 rows ran at 17 GB/s: B=32 x 160 tokens 13.3-13.7 -> 8.0-8.3 ms, B=64 x 160
 // 27.8 -> 13.4-16.3, 32 x 1,000 84-89 -> 42-56 (docs/benchmarks.md, "Round 42"), as decode_avx512_bf16_seqs found

@@ -55,8 +55,8 @@
 // exact products in another order, whose last bits differ (as oneDNN's fp32 matmul's did on those rows).
 //
 // bf16 x on GGUF codes (AVX512-BF16; run_gguf_bf16): a bf16 model holds those weights rounded once to bf16, and
-// the kernel rounds its exact dequantization the same way into the bf16 kernels' panel (AMX tiles or vdpbf16ps),
-// from its own layout of the same bytes ([N/32, K/32, 40, 16] and [N/32, K/32, 68, 16]); the results are the
+// the kernel rounds its exact dequantization the same way into the bf16 kernels' panel (AMX tiles or vdpbf16ps;
+// without AMX, up to 12 rows, the panel's lines go from registers straight to vdpbf16ps), from its own layout of the same bytes ([N/32, K/32, 40, 16] and [N/32, K/32, 68, 16]); the results are the
 // bf16 kernel's on the bf16 weight, bitwise, from ~0.3 (Q4_1) or 0.53 (Q8_0) of the bytes. small_linear tells
 // the layouts apart by their shapes and x's dtype: a tensor of one layout reshaped into the other's is not
 // detected, so take them from the pack functions as they come.
@@ -604,7 +604,7 @@ void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
 // run_gguf does it, rounded by vcvtne2ps2bf16 (nearest-even; it reads a subnormal as zero, and d * q + m of fp16
 // d and m is zero or at least 2^-24, never subnormal) and laid out as pack_small_linear lays out a bf16 weight,
 // so the panel holds the bf16 weight's packed bytes and the tile (or vdpbf16ps) kernel's results are bitwise
-// those on the bf16 weight. Its own code layout (pack_small_linear_q4_1 / _q8_0 with bf16) puts each step pair's
+// those on the bf16 weight (column_pair_codes_bf16 takes the same lines from registers without storing them). Its own code layout (pack_small_linear_q4_1 / _q8_0 with bf16) puts each step pair's
 // codes in the panel's lane order, (column j, k), (column j, k + 1), ..., so a 16-byte load is 8 columns x 2 k
 // and two of them round into one 64-byte line of the panel with no shuffle. A step pair of a pair reads 32
 // (Q4_1) or 64 (Q8_0) bytes of codes where bf16 reads 128. A 32-k block of a pair (the lines of 16 bytes):
@@ -627,8 +627,8 @@ inline __m512 half_to_float16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Asks for the lines of the block at `ahead` (none when null) into L1, at most two at each of a dequantize's 16
-// steps (Q4_1's 10 lines: none at 6 of them): spread out, so the requests of a block do not all wait for the
+// Asks for the lines of the block at `ahead` (none when null) into L1, at most two at each of a block's 16 dequantize
+// steps (a dequantize's, or column_pair_codes_bf16's) (Q4_1's 10 lines: none at 6 of them): spread out, so the requests of a block do not all wait for the
 // core's few L1 miss buffers at once.
 template <int64_t BYTES>
 inline void ask_spread(const char* ahead, int64_t t) {
