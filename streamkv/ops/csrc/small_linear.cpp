@@ -54,12 +54,12 @@
 // exception: on AMX, batches of GGUF_F32_AMX_MIN_ROWS rows and more (prefill) run run_gguf_amx_f32, fp32 sums of
 // exact products in another order, whose last bits differ (as oneDNN's fp32 matmul's did on those rows).
 //
-// bf16 x on GGUF codes (AVX512-BF16; run_gguf_bf16): a bf16 model holds those weights rounded once to bf16, and
-// the kernel rounds its exact dequantization the same way into the bf16 kernels' panel (AMX tiles or vdpbf16ps;
-// without AMX, up to 12 rows, the panel's lines go from registers straight to vdpbf16ps), from its own layout of the same bytes ([N/32, K/32, 40, 16] and [N/32, K/32, 68, 16]); the results are the
-// bf16 kernel's on the bf16 weight, bitwise, from ~0.3 (Q4_1) or 0.53 (Q8_0) of the bytes. small_linear tells
-// the layouts apart by their shapes and x's dtype: a tensor of one layout reshaped into the other's is not
-// detected, so take them from the pack functions as they come.
+// bf16 x on GGUF codes (AVX512-BF16; run_gguf_bf16): a bf16 model holds those weights rounded once to bf16, and the
+// kernel rounds its exact dequantization the same way into the bf16 kernels' panel (AMX tiles or vdpbf16ps; without
+// AMX, up to 12 rows, the panel's lines go from registers straight to vdpbf16ps), from its own layout of the same bytes
+// ([N/32, K/32, 40, 16] and [N/32, K/32, 68, 16]); the results are the bf16 kernel's on the bf16 weight, bitwise, from
+// ~0.3 (Q4_1) or 0.53 (Q8_0) of the bytes. small_linear tells the layouts apart by their shapes and x's dtype: a tensor
+// of one layout reshaped into the other's is not detected, so take them from the pack functions as they come.
 //
 // Numerics: fp32 accumulates every product in fp32 (k ascending); bf16 multiplies bf16 pairs exactly and
 // accumulates in fp32 (vdpbf16ps), then rounds to bf16 once, round-to-nearest-even: the contract of
@@ -599,19 +599,19 @@ void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// bf16 x on GGUF codes (run_gguf_bf16): a bf16 model loaded from the GGUF holds bf16(d * q + m) or bf16(d * q),
-// the fp32 dequantization rounded once to nearest-even. Each pair's panel is dequantized exactly in fp32, as
-// run_gguf does it, rounded by vcvtne2ps2bf16 (nearest-even; it reads a subnormal as zero, and d * q + m of fp16
-// d and m is zero or at least 2^-24, never subnormal) and laid out as pack_small_linear lays out a bf16 weight,
-// so the panel holds the bf16 weight's packed bytes and the tile (or vdpbf16ps) kernel's results are bitwise
-// those on the bf16 weight (column_pair_codes_bf16 takes the same lines from registers without storing them). Its own code layout (pack_small_linear_q4_1 / _q8_0 with bf16) puts each step pair's
-// codes in the panel's lane order, (column j, k), (column j, k + 1), ..., so a 16-byte load is 8 columns x 2 k
-// and two of them round into one 64-byte line of the panel with no shuffle. A step pair of a pair reads 32
-// (Q4_1) or 64 (Q8_0) bytes of codes where bf16 reads 128. A 32-k block of a pair (the lines of 16 bytes):
-//   Q4_1, Q4_1_BF16_LINES: line 2 t + h, t < 16, h < 2: byte 2 j + i holds column 8 h + j's code at k = 2 t + i
-//        (low nibble) and column 16 + 8 h + j's (high); lines 32-35 d and 36-39 m of the 32 columns, fp16
-//   Q8_0, Q8_0_BF16_LINES: line 4 t + 2 c + h: byte 2 j + i is column 16 c + 8 h + j's int8 code at k = 2 t + i;
-//        lines 64-67 d of the 32 columns, fp16
+// bf16 x on GGUF codes (run_gguf_bf16): a bf16 model loaded from the GGUF holds bf16(d * q + m) or bf16(d * q), the
+// fp32 dequantization rounded once to nearest-even. Each pair's panel is dequantized exactly in fp32, as run_gguf does
+// it, rounded by vcvtne2ps2bf16 (nearest-even; it reads a subnormal as zero, and d * q + m of fp16 d and m is zero or
+// at least 2^-24, never subnormal) and laid out as pack_small_linear lays out a bf16 weight, so the panel holds the
+// bf16 weight's packed bytes and the tile (or vdpbf16ps) kernel's results are bitwise those on the bf16 weight
+// (column_pair_codes_bf16 takes the same lines from registers without storing them). Its own code layout
+// (pack_small_linear_q4_1 / _q8_0 with bf16) puts each step pair's codes in the panel's lane order, (column j, k),
+// (column j, k + 1), ..., so a 16-byte load is 8 columns x 2 k and two of them round into one 64-byte line of the panel
+// with no shuffle. A step pair of a pair reads 32 (Q4_1) or 64 (Q8_0) bytes of codes where bf16 reads 128. A 32-k block
+// of a pair (the lines of 16 bytes):   Q4_1, Q4_1_BF16_LINES: line 2 t + h, t < 16, h < 2: byte 2 j + i holds column 8
+// h + j's code at k = 2 t + i        (low nibble) and column 16 + 8 h + j's (high); lines 32-35 d and 36-39 m of the 32
+// columns, fp16   Q8_0, Q8_0_BF16_LINES: line 4 t + 2 c + h: byte 2 j + i is column 16 c + 8 h + j's int8 code at k = 2
+// t + i;        lines 64-67 d of the 32 columns, fp16
 constexpr int64_t Q4_1_BF16_LINES = 40;
 constexpr int64_t Q8_0_BF16_LINES = 68;
 
@@ -628,8 +628,8 @@ inline __m512 half_to_float16(const uint8_t* p) {
 }
 
 // Asks for the lines of the block at `ahead` (none when null) into L1, at most two at each of a block's 16 dequantize
-// steps (a dequantize's, or column_pair_codes_bf16's) (Q4_1's 10 lines: none at 6 of them): spread out, so the requests of a block do not all wait for the
-// core's few L1 miss buffers at once.
+// steps (a dequantize's, or column_pair_codes_bf16's) (Q4_1's 10 lines: none at 6 of them): spread out, so the requests
+// of a block do not all wait for the core's few L1 miss buffers at once.
 template <int64_t BYTES>
 inline void ask_spread(const char* ahead, int64_t t) {
   constexpr int64_t LINES = (BYTES + 63) / 64;
