@@ -608,10 +608,11 @@ void run_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
 // (pack_small_linear_q4_1 / _q8_0 with bf16) puts each step pair's codes in the panel's lane order, (column j, k),
 // (column j, k + 1), ..., so a 16-byte load is 8 columns x 2 k and two of them round into one 64-byte line of the panel
 // with no shuffle. A step pair of a pair reads 32 (Q4_1) or 64 (Q8_0) bytes of codes where bf16 reads 128. A 32-k block
-// of a pair (the lines of 16 bytes):   Q4_1, Q4_1_BF16_LINES: line 2 t + h, t < 16, h < 2: byte 2 j + i holds column 8
-// h + j's code at k = 2 t + i        (low nibble) and column 16 + 8 h + j's (high); lines 32-35 d and 36-39 m of the 32
-// columns, fp16   Q8_0, Q8_0_BF16_LINES: line 4 t + 2 c + h: byte 2 j + i is column 16 c + 8 h + j's int8 code at k = 2
-// t + i;        lines 64-67 d of the 32 columns, fp16
+// of a pair (the lines of 16 bytes):
+//   Q4_1, Q4_1_BF16_LINES: line 2 t + h, t < 16, h < 2: byte 2 j + i holds column 8 h + j's code at k = 2 t + i
+//        (low nibble) and column 16 + 8 h + j's (high); lines 32-35 d and 36-39 m of the 32 columns, fp16
+//   Q8_0, Q8_0_BF16_LINES: line 4 t + 2 c + h: byte 2 j + i is column 16 c + 8 h + j's int8 code at k = 2 t + i;
+//        lines 64-67 d of the 32 columns, fp16
 constexpr int64_t Q4_1_BF16_LINES = 40;
 constexpr int64_t Q8_0_BF16_LINES = 68;
 
