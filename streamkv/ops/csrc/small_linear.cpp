@@ -720,15 +720,17 @@ inline void dequantize_pair_bf16(const uint8_t* w, int64_t blocks, const uint8_t
   }
 }
 
-#if defined(STREAMKV_AMX)
-// How far ahead CodesPass asks for codes: the block CODES_AHEAD_BLOCKS after the one it dequantizes (past the
-// pair's end, the next pair's blocks, which follow in memory), its lines spread over that dequantize's steps
-// (ask_spread). Before, each block's 10 (Q4_1) or 17 (Q8_0) lines were asked for at once, 2 blocks ahead: a bf16
-// decode step's matmuls (load_tests/bench_small_linear.py --dtypes gguf_bf16, three turns against that build) at
-// 1 / 8 rows took 8.17-9.27 / 7.60-7.78 ms, now 7.74-7.85 / 7.26-7.40; 32-64 rows level. All at once 7 or 15
-// blocks ahead, or into L2 (prefetcht2), timed no better; spread 9 ahead as 5; asking for the next pair's codes
-// during the second pass of 33-64 rows was slower (docs/benchmarks.md, "Round 41").
+// How far ahead CodesPass (AMX) and column_pair_codes_bf16 (vdpbf16ps) ask for codes: the block CODES_AHEAD_BLOCKS
+// after the one they dequantize (past the pair's end, the next pair's blocks, which follow in memory), its lines spread
+// over that block's steps (ask_spread). Timed on AMX (on Zen 4, into L2 timed within the drift, round 42). Before, each
+// block's 10 (Q4_1) or 17 (Q8_0) lines were asked for at once, 2 blocks ahead: a bf16 decode step's matmuls
+// (load_tests/bench_small_linear.py --dtypes gguf_bf16, three turns against that build) at 1 / 8 rows took 8.17-9.27 /
+// 7.60-7.78 ms, now 7.74-7.85 / 7.26-7.40; 32-64 rows level. All at once 7 or 15 blocks ahead, or into L2 (prefetcht2),
+// timed no better; spread 9 ahead as 5; asking for the next pair's codes during the second pass of 33-64 rows was
+// slower (docs/benchmarks.md, "Round 41").
 constexpr int64_t CODES_AHEAD_BLOCKS = 5;
+
+#if defined(STREAMKV_AMX)
 
 // amx_pass_steps over a pair's codes: a GGUF block of 32 k is one tile step, so each block is dequantized into a
 // 2 KB tile step and loaded from L1: the weights take no trip through a whole panel. Block t + 1 is dequantized
@@ -813,10 +815,6 @@ void codes_passes(const at::Tensor& x, const at::Tensor& packed, const Store& st
 }
 #endif
 
-// How far ahead column_pair_codes_bf16 asks for codes: the block CODES_BF16_AHEAD past the one it dequantizes (past
-// the pair's end, the next pair's blocks, which follow in memory), its lines spread over the block's steps.
-constexpr int64_t CODES_BF16_AHEAD = 5;
-
 // column_pair for bf16 x on GGUF codes (no AMX), rows [m0, m0 + R) in one pass: each step pair's two lines
 // dequantized in registers (Layout::step) and used at once, where the panel path stores them and loads them back.
 // The same vdpbf16ps chain on the same bf16 lines, k ascending, so the same bits as column_pair on the panel.
@@ -830,7 +828,7 @@ inline void column_pair_codes_bf16(const at::BFloat16* x, int64_t x_stride, at::
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * x_stride;
   for (int64_t b = 0; b < blocks; ++b) {
     const Layout block(w + b * Layout::BYTES);
-    const char* ahead = reinterpret_cast<const char*>(w) + (b + CODES_BF16_AHEAD) * Layout::BYTES;
+    const char* ahead = reinterpret_cast<const char*>(w) + (b + CODES_AHEAD_BLOCKS) * Layout::BYTES;
     for (int64_t t = 0; t < GGUF_K / 2; ++t) {
       ask_spread<Layout::BYTES>(ahead, t);
       __m512i line[2];
