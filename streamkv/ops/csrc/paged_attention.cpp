@@ -1238,9 +1238,10 @@ void decode_avx512_int8_seqs(const DecodeView<q_t, int8_t>& view, __m512 scale16
     const int64_t row_lines = (span_lines + heads * d.block_size - 1) / (heads * d.block_size);
     // Into L2 (prefetcht2), as decode_avx512_bf16_seqs and prefetch_row ask. On the Intel AMX host either hint
     // timed the same (docs/benchmarks.md, "Round 34"); on Zen 4 (2 threads, 30 layers' pools from memory, engine
-    // tables, fp32 and bf16 queries, medians of four turns) prefetcht0 held the L1 miss buffers: B=8 x 1,000 tokens
-    // 7.2-10.9 -> 6.6-7.5 ms, 32 x 1,000 28.0-31.1 -> 25.1-26.2, 64 x 1,000 54.2-69.2 -> 49.1-55.1; B=8, 32 and 64
-    // x 192 tokens level (docs/benchmarks.md, "Round 43").
+    // tables, fp32 and bf16 queries, medians of four turns) prefetcht0 was slower, as for the fp32 rows in round
+    // 42, where it held the L1 miss buffers: B=8 x 1,000 tokens 7.2-10.9 -> 6.6-7.5 ms, 32 x 1,000 28.0-31.1 ->
+    // 25.1-26.2, 64 x 1,000 54.2-69.2 -> 49.1-55.1; B=8, 32 and 64 x 192 tokens level (docs/benchmarks.md,
+    // "Round 43").
     auto ask = [span_lines, row_lines](const int8_t* span, int64_t step) {
       if (span == nullptr) return;
       const char* p = reinterpret_cast<const char*>(span);
