@@ -270,7 +270,8 @@ struct DecodeView {
 };
 
 // Asks for one K or V row (its cache lines) ahead of its use, into L2 (prefetcht2), for every RowsAhead cursor
-// (decode_avx512, the one-task-per-head bf16 and int8 kernels) and decode_avx2. On the Intel hosts the hints T0,
+// (decode_avx512, the one-task-per-head bf16 and int8 kernels), decode_avx2, and the spans of the bf16 and int8
+// batch kernels (decode_avx512_bf16_seqs, decode_avx512_int8_seqs). On the Intel hosts the hints T0,
 // T1, T2 and NTA timed the same; on Zen 4 (AMD EPYC, 2 threads, 30 layers' pools from memory) prefetcht0 held the
 // core's few L1 miss buffers and fp32 rows ran at 17 GB/s: B=32 x 160 tokens 13.3-13.7 -> 8.0-8.3 ms, B=64 x 160
 // 27.8 -> 13.4-16.3, 32 x 1,000 84-89 -> 42-56 (docs/benchmarks.md, "Round 42"), as decode_avx512_bf16_seqs found
@@ -904,9 +905,8 @@ void decode_avx512_bf16_seqs(const DecodeView<at::BFloat16, at::BFloat16>& view,
     // (docs/benchmarks.md, "Round 34").
     auto ask = [span_lines](const bf16* span, int64_t step, int64_t lines) {
       if (span == nullptr) return;
-      const char* p = reinterpret_cast<const char*>(span);
-      for (int64_t l = step * lines; l < std::min(span_lines, (step + 1) * lines); ++l)
-        asm volatile("prefetcht2 %0" : : "m"(p[l * 64]));
+      const int64_t first = step * lines, last = std::min(span_lines, (step + 1) * lines);
+      if (first < last) prefetch_row(reinterpret_cast<const char*>(span) + first * 64, (last - first) * 64);
     };
     // The first span task t reads (its first K block), or none.
     auto first_span = [&](int64_t t) -> const bf16* {
@@ -1244,9 +1244,8 @@ void decode_avx512_int8_seqs(const DecodeView<q_t, int8_t>& view, __m512 scale16
     // "Round 43").
     auto ask = [span_lines, row_lines](const int8_t* span, int64_t step) {
       if (span == nullptr) return;
-      const char* p = reinterpret_cast<const char*>(span);
-      for (int64_t l = step * row_lines; l < std::min(span_lines, (step + 1) * row_lines); ++l)
-        asm volatile("prefetcht2 %0" : : "m"(p[l * 64]));
+      const int64_t first = step * row_lines, last = std::min(span_lines, (step + 1) * row_lines);
+      if (first < last) prefetch_row(reinterpret_cast<const char*>(span) + first * 64, (last - first) * 64);
     };
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = d.len_ptr[b];
