@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from streamkv.model.gguf_codes import (
     gguf_tensor_table,
     read_gguf_codes,
 )
-from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS, Linear, SmallMatmul, has_gguf_kernel
+from streamkv.model.linear import GGUF_F32_AMX_MIN_ROWS, Linear, SmallMatmul, has_gguf_kernel
 from streamkv.ops.cpu_ops import load_linear_ops
 
 ops = load_linear_ops()
@@ -93,7 +94,7 @@ def amx(on: bool) -> Iterator[None]:
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (50, 64), (33, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 24, 25, 37, 64, 128, 300])
 def test_bitwise_the_fp32_kernel_on_the_dequantized_weight(kind: str, n: int, k: int, rows: int) -> None:
-    """The FMA path, which takes every row count with AMX off and up to SMALL_LINEAR_MAX_ROWS rows with it on."""
+    """The FMA path, which takes every row count with AMX off and passes below GGUF_F32_AMX_MIN_ROWS with it on."""
     c = random_codes(kind, n, k, seed=rows)
     w = c.dequantize()
     bias = torch.randn(n)
@@ -104,7 +105,7 @@ def test_bitwise_the_fp32_kernel_on_the_dequantized_weight(kind: str, n: int, k:
         ops.small_linear(got, x, c.pack(ops), bias)
     assert torch.equal(got, expected)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
-    if rows <= SMALL_LINEAR_MAX_ROWS[torch.float32] and ops.amx():  # AMX on leaves these rows on the FMA path
+    if rows < GGUF_F32_AMX_MIN_ROWS and ops.amx():  # AMX on leaves these rows on the FMA path
         ops.small_linear(got, x, c.pack(ops), bias)
         assert torch.equal(got, expected)
 
@@ -146,7 +147,7 @@ def fp32_both_ways(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Te
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (50, 64), (33, 32)])
 @pytest.mark.parametrize("rows", [129, 160, 300])
 def test_fp32_on_amx_tiles_errs_at_fp32_level_over_its_terms(kind: str, n: int, k: int, rows: int) -> None:
-    """Past SMALL_LINEAR_MAX_ROWS rows fp32 runs on AMX tiles from exact bf16 pieces of x. Its error against the
+    """From GGUF_F32_AMX_MIN_ROWS rows fp32 runs on AMX tiles from exact bf16 pieces of x. Its error against the
     float64 product of x and the exact weights stays at fp32's level, measured against the terms it sums (Q4_1's
     weight as d (q - 8) + m', which exceeds |w| where a weight is a near cancellation; there the FMA path's
     error is smaller); a row's result does not depend on the rows beside it or its place among them."""
@@ -216,9 +217,9 @@ def test_fp32_amx_special_scales_strides_and_one_thread_over_many_chunks(kind: s
 
 
 def test_the_fp32_row_threshold_is_the_layers() -> None:
-    """SMALL_LINEAR_MAX_ROWS[float32] rows stay on the bitwise FMA path with AMX on; one more takes the tiles."""
+    """GGUF_F32_AMX_MIN_ROWS - 1 rows stay on the bitwise FMA path with AMX on; one more takes the tiles."""
     c = random_codes("q4_1", 64, 96, seed=11)
-    top = SMALL_LINEAR_MAX_ROWS[torch.float32]
+    top = GGUF_F32_AMX_MIN_ROWS - 1
     for rows, same in ((top, True), (top + 1, False)):
         fma, tiles = fp32_both_ways(torch.randn(rows, 96), c.pack(ops), 64)
         assert torch.equal(tiles, fma) == same, rows
@@ -359,9 +360,8 @@ def test_bad_arguments_raise() -> None:
 
 @needs_bf16
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_bf16_layer_runs_its_small_batches_on_the_codes(kind: str) -> None:
-    """The layer keeps the codes as its small-batch copy and gives the dense bf16 layer's results, wherever the
-    rows go (the kernel, AMX's narrow-weight rows, oneDNN)."""
+def test_a_bf16_layer_runs_every_batch_on_the_codes(kind: str) -> None:
+    """The layer keeps the codes as its only copy and gives the dense bf16 layer's results at every batch size."""
     c = random_codes(kind, 96, 192)
     w = c.dequantize().to(torch.bfloat16)
     layers = []
@@ -374,14 +374,17 @@ def test_a_bf16_layer_runs_its_small_batches_on_the_codes(kind: str) -> None:
     ours, reference = layers
     assert ours.small is not None and ours.small.packed.dtype == torch.uint8
     assert reference.small is not None and reference.small.packed.dtype == torch.bfloat16
-    assert (ours.small.max_rows, ours.small.amx_rows) == (reference.small.max_rows, reference.small.amx_rows)
-    for rows in (1, 8, 128, 129, 1024, 1025):
+    assert ours.small.max_rows == reference.small.max_rows == sys.maxsize
+    assert ours.packed_weight is None and reference.packed_weight is None
+    for rows in (1, 8, 128, 129, 1024, 1025, 4100):
         x = torch.randn(rows, 192).bfloat16()
         assert torch.equal(ours(x), reference(x)), rows
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_layer_runs_small_batches_on_the_codes_and_large_ones_on_onednn_or_amx(kind: str) -> None:
+def test_the_fp32_layer_runs_every_batch_on_the_codes(kind: str) -> None:
+    """Bitwise the dense fp32 layer (the FMA kernel) at every batch size, AMX off; with it on, passes of 129 rows
+    or more take the tiles (fp32's level, tested above)."""
     c = random_codes(kind, 96, 192)
     w = c.dequantize()
     layer = Linear(192, 96, bias=False)
@@ -389,14 +392,18 @@ def test_the_layer_runs_small_batches_on_the_codes_and_large_ones_on_onednn_or_a
         layer.weight.copy_(w)
     layer.prepack(32, ops, codes=c)
     assert isinstance(layer.small, SmallMatmul) and layer.small.packed.dtype == torch.uint8
+    assert layer.packed_weight is None and layer.small.max_rows == sys.maxsize
     reference = Linear(192, 96, bias=False)
     with torch.no_grad():
         reference.weight.copy_(w)
     reference.prepack(32, ops)
-    for rows in (1, 8, 128):
-        x = torch.randn(rows, 192)
-        assert torch.equal(layer(x), reference(x))
-    big = torch.randn(layer.small.max_rows + 1, 192)
+    with amx(False):
+        for rows in (1, 8, 128, 129, 1100):
+            x = torch.randn(rows, 192)
+            got = layer(x)
+            assert torch.equal(got, reference(x)), rows
+            assert torch.equal(layer(x[-1:]), got[-1:]), rows
+    big = torch.randn(GGUF_F32_AMX_MIN_ROWS, 192)
     torch.testing.assert_close(layer(big), torch.nn.functional.linear(big, w), rtol=1e-4, atol=1e-4)
 
 

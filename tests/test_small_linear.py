@@ -20,14 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from streamkv.model.linear import (
-    AMX_NARROW_MAX_COLUMNS,
-    AMX_NARROW_MAX_ROWS,
-    AMX_TILE_K,
-    Linear,
-    SmallMatmul,
-    small_linear_max_rows,
-)
+from streamkv.model.linear import AMX_TILE_K, Linear, SmallMatmul
 from streamkv.ops.cpu_ops import load_linear_ops, set_amx
 
 ops = load_linear_ops()
@@ -209,24 +202,22 @@ def test_bad_arguments_raise() -> None:
 
 @pytest.mark.parametrize(
     "in_features, out_features, amx",
-    [
-        (64, 96, False),
-        (64, AMX_NARROW_MAX_COLUMNS, True),
-        (64, AMX_NARROW_MAX_COLUMNS + 1, True),
-        (40, 96, True),  # K not a multiple of AMX_TILE_K: run_amx does not take it, so neither do the extra rows
-    ],
-    ids=["amx-off", "narrow", "wide", "odd-k"],
+    [(64, 96, False), (64, 96, True), (64, 1056, True), (40, 96, True)],
+    ids=["amx-off", "amx", "amx-wide", "odd-k"],  # odd-k: K not a multiple of AMX_TILE_K, off run_amx
 )
-def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(
+def test_layer_takes_the_kernel_at_every_batch_size_and_keeps_no_onednn_copy(
     dtype: torch.dtype, in_features: int, out_features: int, amx: bool
 ) -> None:
-    # The routing reads the switch through ops.amx(); the spy answers `amx` whatever the CPU, so every host with
-    # the bf16 kernel checks the AMX routing (the rows still run on whichever kernel the CPU has, within bounds).
+    # One kernel for every row count, so a row's result does not depend on its batch or chunk (until round 44
+    # rows past 128 went to oneDNN). The routing reads the switch through ops.amx(); the spy answers `amx`
+    # whatever the CPU (the rows still run on whichever kernel the CPU has).
+    assert in_features % AMX_TILE_K == 0 or in_features == 40
     torch.manual_seed(0)
     layer = Linear(in_features, out_features, bias=True).to(dtype)
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.prepack(32, ops)
     assert layer.weight.numel() == 0 and layer.small is not None
+    assert layer.packed_weight is None and layer.small.max_rows == sys.maxsize
     calls = []
     real = layer.small.ops
 
@@ -239,22 +230,16 @@ def test_layer_takes_the_kernel_up_to_the_crossover_and_onednn_past_it(
             return amx
 
     layer.small = dataclasses.replace(layer.small, ops=Spy())
-    most = small_linear_max_rows(ops, dtype)
-    narrow = AMX_NARROW_MAX_ROWS
-    if most == sys.maxsize:  # fp32 on an AVX2 build: the kernel takes every batch, no oneDNN copy is kept
-        assert layer.packed_weight is None
-        sizes, expected = (1, 300, 1100), [1, 300, 1100]
-    elif dtype == torch.bfloat16 and amx and out_features <= AMX_NARROW_MAX_COLUMNS and in_features % AMX_TILE_K == 0:
-        # A narrow bf16 weight stays on the AMX kernel up to AMX_NARROW_MAX_ROWS, where oneDNN would use one thread.
-        assert layer.packed_weight is not None
-        sizes, expected = (1, most, most + 1, narrow, narrow + 1), [1, most, most + 1, narrow]
-    else:
-        assert layer.packed_weight is not None
-        sizes, expected = (1, most, most + 1, narrow), [1, most]
+    sizes = [1, 128, 129, 1024, 1025, 4100]
+    alone = []
     for rows in sizes:
         x = torch.randn(rows, in_features).to(dtype)
-        assert_close(layer(x), x, w, b)
-    assert calls == expected
+        got = layer(x)
+        assert_close(got, x, w, b)
+        alone.append((x[-1:], got[-1:]))
+    assert calls == sizes
+    for x, got in alone:  # the last row of each batch, alone, gives the same bits
+        assert torch.equal(layer(x), got)
 
 
 def test_small_matmul_copies_rows_without_a_unit_stride() -> None:

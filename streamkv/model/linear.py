@@ -12,23 +12,26 @@ they are bound by the bytes of the weight. There oneDNN streams the weight at
 its own packed copy of the weight) streams it at 21-24 GB/s: 1.3-1.6x faster
 at 1-8 rows (docs/benchmarks.md, "Small-batch linear"). Past 8 rows it walks
 each weight panel once per 12 rows from L2 while memory streams the next
-panel, which keeps it ahead of oneDNN up to 128 rows and on par at 256
-("The small-batch kernel past 8 rows"). So batches up to
-:data:`SMALL_LINEAR_MAX_ROWS` for their dtype take it and larger ones
-(prefill chunks) take oneDNN; the price is a second copy of every
-projection weight in memory. On a CPU without AVX-512 the fp32 kernel runs
-AVX2 tiles (3 rows x 32 columns up to 8 rows, 6 x 16 on blocks of k past
-them, rows in blocks of 128) with the same summation order, and takes
-every batch size: there it is the only copy of the weights.
+panel, which keeps it ahead of oneDNN up to 128 rows ("The small-batch kernel
+past 8 rows"); past 128 rows (prefill chunks) it walks a thread's panels a
+chunk at a time, pass by pass, within 1-5% of oneDNN at 4,096 rows
+(docs/benchmarks.md, "Round 44"). It takes every batch size
+(:data:`SMALL_LINEAR_MAX_ROWS`), so a row's result never depends on the rows
+it is batched or chunked with: until round 44 prefill rows past 128 went to
+oneDNN, whose sums run in another order, and in bf16 that changed greedy
+tokens (a prompt alone and among 15 others decoded differently in 4-9 of 16
+cases). No oneDNN copy of the weights is kept then; oneDNN runs the matmuls
+only where the build has no kernel for the dtype. On a CPU without AVX-512
+the fp32 kernel runs AVX2 tiles (3 rows x 32 columns up to 8 rows, 6 x 16 on
+blocks of k past them, rows in blocks of 128) with the same summation order.
 
 On a CPU with AMX-BF16 (Sapphire Rapids and later) the bf16 kernel runs on
 AMX tiles (``tdpbf16ps``): there ``vdpbf16ps`` alone fell to 0.25x oneDNN's
 AMX matmul at 64 rows, and the tile kernel is 1.2-1.3x oneDNN up to 32 rows
-and on par at 64-128, one kernel for every decode batch as before
-(docs/benchmarks.md, "Round 15"). While AMX is on it also takes narrow bf16
-weights (:data:`AMX_NARROW_MAX_COLUMNS` outputs or fewer) up to
-:data:`AMX_NARROW_MAX_ROWS` rows, where oneDNN often leaves a thread idle
-(:meth:`SmallMatmul.takes`; "Round 16").
+and on par at 64-128 (docs/benchmarks.md, "Round 15"); past 128 rows it walks
+chunks of panels pass by pass ("Round 16"), where oneDNN was measured ahead
+past 1,024 rows of qkv, o and down_proj: the price of batch-independent
+results there, not yet measured on the whole prefill.
 
 A float32 or bfloat16 model loaded from a GGUF (the default model: Q4_1
 projections, a Q8_0 tied embedding) keeps each Q4_1 or Q8_0 weight's
@@ -38,16 +41,16 @@ it streams them, ~5 or 8.5 bits a weight instead of 32 or 16, and its
 results are bitwise those of the float32 weights, or of their bf16
 rounding on the bf16 kernels (AMX tiles or ``vdpbf16ps``).
 
-Past :data:`SMALL_LINEAR_MAX_ROWS` rows (prefill) a float32 model on the
-codes runs on AMX tiles too, where the CPU has them: x is split into three
-bf16 pieces whose sum is x exactly, each product with a code is exact, and
-the tiles sum in fp32 (:data:`GGUF_F32_AMX_MAX_ROWS`). Its error against the
-exact product is at fp32's level, counted against the terms it sums (Q4_1's
-``d (q - 8) + m'``, which can cancel where a weight is near zero;
-tests/test_gguf_codes.py). A pass of 32 rows with an inf, a NaN or a value
-past 2^100 takes the FMA path. The last bits differ from the decode rows',
-as oneDNN's did, and a 4,096-row matmul runs about 2.3x as fast as oneDNN's
-fp32 one, which the FMA units bound (docs/benchmarks.md, "Round 32").
+Past :data:`GGUF_F32_AMX_MIN_ROWS` - 1 rows (prefill) a float32 model on the
+codes runs on AMX tiles, where the CPU has them and the switch is on: x is
+split into three bf16 pieces whose sum is x exactly, each product with a code
+is exact, and the tiles sum in fp32. Its error against the exact product is
+at fp32's level, counted against the terms it sums (Q4_1's ``d (q - 8) +
+m'``, which can cancel where a weight is near zero; tests/test_gguf_codes.py).
+A pass of 32 rows with an inf, a NaN or a value past 2^100 takes the FMA
+path. The last bits differ from the decode rows' (on such a host an fp32 row's
+result depends on its batch at that level, not bitwise), and a 4,096-row matmul
+runs about 2.3x as fast as the FMA kernel (docs/benchmarks.md, "Round 32").
 
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
 ``int8``) keeps only int8 codes and a float32 scale per output, run by the
@@ -72,42 +75,24 @@ from streamkv.model.gguf_codes import GGUF_CODE_DTYPES
 if TYPE_CHECKING:
     from streamkv.model.gguf_codes import GGUFCodes
 
-# The measured crossovers (load_tests/bench_small_linear.py, 2 threads, 2026-12-02 round 7): with passes of up
-# to 12 rows and the next panel prefetched, the kernel is 1.30x / 1.32x / 1.16x / 1.04x oneDNN at 16 / 32 / 64
-# / 128 rows in fp32 and 1.52x / 1.43x / 1.25x / 1.15x in bf16, on par (1.01x, 1.00x) at 256. Up to 128 rows
-# covers every pure-decode batch of the default max_num_seqs (64) on one kernel, so a decode row's result does not
-# depend on how many rows decode with it (a step that also carries a prefill chunk of more rows runs on oneDNN,
-# whose sums run in another order, on the AMX kernel's narrow weights up to 1,024 rows, or for an fp32 model on
-# the codes on AMX tiles from bf16 pieces: there the last bits can differ).
-# On an Ice Lake Xeon (AVX-512 without AVX512-BF16; round 20) the fp32 kernel ran 1.22-1.39x / 1.31-1.49x /
-# 1.48-1.53x / 1.27-1.31x / 1.15-1.16x oneDNN at 1 / 8 / 16 / 32 / 64 rows, 0.97-1.09x at 128 and 0.95-1.03x at 256
-# (two runs): the same crossover.
-SMALL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
-# An AVX2 build's fp32 kernel (no AVX-512; load_tests/bench_small_linear.py, 2 threads, 2026-12-03 round 10):
-# 1.2-1.5x oneDNN at 1-32 rows, 1.2x at 64, 1.1x at 128, on par at 256; with rows in blocks of 512, on par or
-# ahead at prefill sizes too (163-172 GFLOP/s against oneDNN's 135-169 at 512-4,096 rows, one weight in cache).
-# So it takes every batch size: on such a CPU every fp32 matmul runs on one kernel, a row's result never depends
-# on its batch or chunk, and no oneDNN copy of the weights is kept.
-SMALL_LINEAR_MAX_ROWS_AVX2 = sys.maxsize
+# Every batch size runs on the small-batch kernel, on AVX-512 and AVX2 alike. The crossover measured in round 7
+# (load_tests/bench_small_linear.py, 2 threads: 1.30x / 1.32x / 1.16x / 1.04x oneDNN at 16 / 32 / 64 / 128 rows in
+# fp32, 1.52x / 1.43x / 1.25x / 1.15x in bf16, on par at 256) once sent prefill rows past 128 to oneDNN; since round
+# 44 the kernel walks those a chunk of panels at a time (small_linear.cpp, run_panel_chunks) and one kernel takes
+# them all, so a row's result does not depend on its batch or chunk. Whole offline runs, 32 x 128 tokens on the
+# 2-core Zen 4, one process taking turns, medians of 3: the 4,096-row prefill step 2,175 -> 2,206 ms in bf16 and
+# 4,367 -> 4,332 ms in fp32 on the default model's codes (docs/benchmarks.md, "Round 44").
+SMALL_LINEAR_MAX_ROWS = sys.maxsize
 
-# bf16 on AMX tiles (run_amx, small_linear.cpp) also takes up to AMX_NARROW_MAX_ROWS rows of a weight with at most
-# AMX_NARROW_MAX_COLUMNS outputs and K a multiple of AMX_TILE_K (in SmolLM2: qkv, o and down_proj, not gate_up or
-# the LM head). On 2 threads oneDNN's bf16 matmul runs many of those shapes on one thread (o up to 768 rows,
-# qkv at 768-1,024, down_proj from 256 to at least 1,280), while run_amx always splits the column pairs between
-# the threads: at 512 and 1,024 rows down_proj runs 1.6-2.0x faster, qkv 1.1-1.7x, o 1.8x at 512 and 0.86-0.89x
-# at 896-1,024 (docs/benchmarks.md, "Round 16"). Past 1,024 rows, and for gate_up past 128, oneDNN is ahead; but
-# a bf16 MLP runs gate_up past 128 rows on this kernel with SiLU-and-mul in its epilogue (streamkv/model/swiglu.py).
-# Only while the AMX switch is on: the vdpbf16ps kernel is 4x slower at these sizes.
-AMX_NARROW_MAX_COLUMNS = 1024
-AMX_NARROW_MAX_ROWS = 1024
-AMX_TILE_K = 32  # run_amx takes K in whole tile steps of 32; other weights run the vdpbf16ps kernel
+# The fp32 kernel on GGUF codes runs passes of this many rows or more on AMX tiles while the switch is on
+# (small_linear.cpp, GGUF_F32_AMX_MIN_ROWS, run_gguf_amx_f32: x = x1 + x2 + x3 in exact bf16 pieces, fp32 sums);
+# fewer stay on the bitwise FMA path. SmolLM2's four projections at 4,096 rows: 37.7 ms a layer against oneDNN's
+# fp32 85.5, at 512 rows 5.3 against 9.8 (2 threads; docs/benchmarks.md, "Round 32").
+GGUF_F32_AMX_MIN_ROWS = 129
 
-# A float32 model on the GGUF's codes: past SMALL_LINEAR_MAX_ROWS rows (prefill chunks), while AMX is on, the
-# kernel runs fp32 on AMX tiles from exact bf16 pieces of x (small_linear.cpp, run_gguf_amx_f32; x = x1 + x2 + x3,
-# each product exact, fp32 sums) instead of oneDNN's fp32 matmul, which the FMA units bound. SmolLM2's four
-# projections at 4,096 rows: 37.7 ms a layer against oneDNN's 85.5, at 512 rows 5.3 against 9.8 (2 threads;
-# docs/benchmarks.md, "Round 32"). With AMX off these rows take oneDNN as before.
-GGUF_F32_AMX_MAX_ROWS = sys.maxsize
+# K a multiple of this runs on bf16 AMX tiles (run_amx takes K in whole tile steps of 32); other weights run the
+# vdpbf16ps kernel.
+AMX_TILE_K = 32
 
 # int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows, and one
 # kernel for every row count keeps a row's result independent of the batch it is in. On AMX-INT8 its tile path
@@ -119,8 +104,9 @@ INT8_MAX = 127
 
 
 def small_linear_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:
-    """Most rows of ``x`` the small-batch kernel of ``ops`` takes for ``dtype`` weights; oneDNN takes more."""
-    return SMALL_LINEAR_MAX_ROWS[dtype] if ops.small_linear_isa() == "avx512" else SMALL_LINEAR_MAX_ROWS_AVX2
+    """Most rows of ``x`` the small-batch kernel of ``ops`` takes for ``dtype`` weights: every batch size."""
+    del ops, dtype  # one answer since round 44; kept so callers need not know it
+    return SMALL_LINEAR_MAX_ROWS
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,12 +153,10 @@ class SmallMatmul:
         ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module.
         packed: ``pack_small_linear`` (float) or ``pack_small_linear_int8`` (int8) of the weight.
         out_features: ``N``.
-        max_rows: most rows of ``x`` sent to the kernel whichever its instructions (larger batches take oneDNN,
-            but see ``amx_rows``).
+        max_rows: most rows of ``x`` sent to the kernel (larger batches would take oneDNN): every batch size,
+            ``sys.maxsize``, for every kind of weight since round 44.
         scale: float32 ``[N]`` for int8 weights, else ``None``.
         bias: float32 ``[N]`` (the kernels add it in fp32) or ``None``.
-        amx_rows: most rows sent to the kernel while its AMX tiles are on (``AMX_NARROW_MAX_ROWS`` for narrow
-            bf16 weights, ``GGUF_F32_AMX_MAX_ROWS`` for float32 GGUF codes, else ``max_rows``).
     """
 
     ops: ModuleType
@@ -181,7 +165,6 @@ class SmallMatmul:
     max_rows: int
     scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
-    amx_rows: int = 0
 
     @classmethod
     def pack(
@@ -195,28 +178,23 @@ class SmallMatmul:
         """Pack ``weight [N, K]`` (float32/bfloat16), or its int8 codes and scales ``int8 = (q, scale)``, or the
         GGUF ``codes`` that give ``weight`` bitwise (float32: their dequantization; bfloat16: its rounding). The
         codes are taken where ``ops`` has the GGUF kernel for ``weight``'s dtype (``has_gguf_kernel``); elsewhere
-        ``weight`` itself is packed. Either way the same rows up to ``max_rows`` take the kernel, with the same
-        results; float32 codes also take larger batches while AMX is on (``GGUF_F32_AMX_MAX_ROWS``), on tiles."""
+        ``weight`` itself is packed. Either way every batch takes the kernel, with the same results (float32
+        codes past ``GGUF_F32_AMX_MIN_ROWS`` - 1 rows on AMX tiles while the switch is on, to fp32's level)."""
         b = None if bias is None else bias.detach().float().contiguous()
         if int8 is not None:
             q, scale = int8
             packed = ops.pack_small_linear_int8(q.contiguous())
-            return cls(ops, packed, q.shape[0], INT8_MAX_ROWS, scale, b, INT8_MAX_ROWS)
+            return cls(ops, packed, q.shape[0], INT8_MAX_ROWS, scale, b)
         w = weight.detach()
-        max_rows = small_linear_max_rows(ops, w.dtype)
-        narrow = w.dtype == torch.bfloat16 and w.shape[0] <= AMX_NARROW_MAX_COLUMNS and w.shape[1] % AMX_TILE_K == 0
-        amx_rows = max(max_rows, AMX_NARROW_MAX_ROWS) if narrow else max_rows
         if codes is not None and has_gguf_kernel(ops, w.dtype):
             packed = codes.pack(ops, bf16=w.dtype == torch.bfloat16)
-            if w.dtype == torch.float32:
-                amx_rows = GGUF_F32_AMX_MAX_ROWS
         else:
             packed = ops.pack_small_linear(w.contiguous())
-        return cls(ops, packed, w.shape[0], max_rows, None, b, amx_rows)
+        return cls(ops, packed, w.shape[0], small_linear_max_rows(ops, w.dtype), None, b)
 
     def takes(self, rows: int) -> bool:
-        """Whether ``rows`` rows of ``x`` run on this kernel (else oneDNN): ``max_rows``, or ``amx_rows`` under AMX."""
-        return rows <= self.max_rows or (rows <= self.amx_rows and bool(self.ops.amx()))
+        """Whether ``rows`` rows of ``x`` run on this kernel (else oneDNN): up to ``max_rows``."""
+        return rows <= self.max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` (float32/bfloat16, any ``M``; :meth:`takes` says where it is fastest) -> ``[M, N]``.

@@ -275,11 +275,10 @@ class LlamaForCausalLM(nn.Module):
         Args:
             batch_size_hint: rows per matmul the packed layout is tuned for
                 (any row count works).
-            small_ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module: matmuls of up to
-                ``SmallMatmul.max_rows`` rows (decode steps; ``amx_rows`` for narrow bf16
-                weights while AMX is on, :meth:`SmallMatmul.takes`) then run on its kernel, from a
-                second packed copy of each weight (float32 and bfloat16 only); where it
-                takes every batch size (float32 on an AVX2 build) it is the only copy. A
+            small_ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module: every matmul
+                then runs on its kernel, at every batch size (:data:`SMALL_LINEAR_MAX_ROWS`;
+                float32 and bfloat16 only), from its own packed copy of each weight, the only
+                copy (no oneDNN one: :meth:`SmallMatmul.takes`). A
                 bfloat16 model whose ops run AMX tiles also keeps each gate_up once more,
                 interleaved for its fused SiLU-and-mul at every batch (:class:`GateUpSiluMul`;
                 its GGUF codes where ``codes`` has them, else the dense weight).
@@ -462,8 +461,9 @@ class Attention(nn.Module):
 # A prefill step of 4,096 rows makes a [4096, 2 I] gate_up output (50 MB in fp32 for SmolLM2) that leaves the
 # cache before silu_and_mul and down_proj read it, and oneDNN's fp32 gate_up ran at ~150 GFLOP/s against ~190 at
 # 512 rows. Slices of 1,024 rows: the 4,096-token fp32 prefill 5-9% faster in three alternating rounds
-# (docs/benchmarks.md, "MLP slices in long prefill steps"). Rows are independent: each row gets the matmul of a
-# smaller batch (a short last slice may take the small-batch kernel), as a smaller token budget would give it.
+# (docs/benchmarks.md, "MLP slices in long prefill steps"). Rows are independent, and one kernel takes every batch size
+# (streamkv/model/linear.py, SMALL_LINEAR_MAX_ROWS), so a slice gives its rows the same bits as the whole step
+# (fp32 on an AMX host to the last bits' level: calls of 129+ rows of the GGUF codes run on tiles).
 MLP_SLICE_ROWS = 1024
 # bf16 (and fp16) steps slice at 4,096 rows: oneDNN's AMX matmul runs down_proj's [rows, 1536] x [1536, 576] on one
 # of two threads at 512-1,024 rows (1.18 ms at 1,024 rows, 2.30 at 4,096 on both), and a 32 x 128-token bf16

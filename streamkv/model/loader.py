@@ -34,7 +34,7 @@ from streamkv.config import ModelConfig
 from streamkv.gc_control import gc_paused
 from streamkv.model.gguf_cache import GGUFCache
 from streamkv.model.gguf_codes import GGUFTensor, gguf_tensor_table
-from streamkv.model.linear import Linear, has_gguf_kernel, has_int8_kernel
+from streamkv.model.linear import GGUF_F32_AMX_MIN_ROWS, Linear, has_gguf_kernel, has_int8_kernel
 from streamkv.model.llama import FUSED_DTYPES, MLP, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import emulated_bf16_warning, resolve_dtype
 from streamkv.model.progress_bars import progress_bars_on_a_terminal_only
@@ -320,28 +320,17 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) 
         return
     if int8:
         logger.warning("this build has no int8 kernel (AVX512-VNNI): the int8 weights run dequantized on oneDNN")
-    rows = max(s.max_rows for s in kernels)
-    if rows == sys.maxsize:
-        logger.info("every matmul on the small-batch linear kernel (no oneDNN copy): %.0f MiB of weights", mib)
-        return
     on_amx = bool(kernels[0].ops.amx())
-    amx = dtype == torch.bfloat16 and on_amx
-    narrow = [s for s in kernels if s.amx_rows > s.max_rows] if amx else []
-    where = ", on AMX tiles" if amx else ""
-    if narrow:
-        where += f" ({len(narrow)} narrow weights up to {max(s.amx_rows for s in narrow)} rows)"
-    if dtype == torch.float32 and on_amx and any(s.amx_rows == sys.maxsize for s in kernels):
-        where += "; larger fp32 matmuls of the GGUF codes on AMX tiles from exact bf16 pieces of x"
+    where = ", on AMX tiles" if dtype == torch.bfloat16 and on_amx else ""
+    codes = any(s.packed.dtype == torch.uint8 and s.scale is None for s in kernels)
+    if dtype == torch.float32 and on_amx and codes:
+        where += f"; fp32 passes of >= {GGUF_F32_AMX_MIN_ROWS} rows of the GGUF codes on AMX tiles (exact bf16 pieces)"
     fused_gate_up = [m.silu_mul for m in model.modules() if isinstance(m, MLP) and m.silu_mul is not None]
     if fused_gate_up:
         fused_mib = sum(f.nbytes for f in fused_gate_up) / 2**20
         where += f"; gate_up with SiLU-and-mul in its epilogue, on AMX tiles ({fused_mib:.0f} MiB more)"
-    logger.info(
-        "small-batch linear kernel for matmuls of <= %d rows (decode steps)%s: %.0f MiB of weights packed for it",
-        rows,
-        where,
-        mib,
-    )
+    logger.info("every matmul on the small-batch linear kernel, at every batch size (no oneDNN copy)%s: %.0f MiB of "
+                "weights packed for it", where, mib)  # fmt: skip
 
 
 @torch.no_grad()

@@ -42,9 +42,8 @@
 // bf16 on a CPU with AMX-BF16 (Sapphire Rapids and later) runs run_amx instead, on the same packed layout:
 // there vdpbf16ps computes at ~53 GMAC/s a core and the kernel above was compute-bound from 16 rows (0.25x
 // oneDNN's AMX matmul at 64), while tdpbf16ps reaches ~550, so every row count streams the weight at memory
-// speed up to 32 rows and keeps at or ahead of oneDNN up to 128 (docs/benchmarks.md, "Round 15"). Python
-// also sends it up to 1,024 rows of weights with at most 1,024 outputs, which oneDNN runs on one thread there
-// (streamkv/model/linear.py, AMX_NARROW_MAX_ROWS; "Round 16").
+// speed up to 32 rows and keeps at or ahead of oneDNN up to 128 (docs/benchmarks.md, "Round 15"). Python sends
+// every batch size here (streamkv/model/linear.py, SMALL_LINEAR_MAX_ROWS), prefill chunks included ("Round 44").
 //
 // fp32 x on GGUF codes (the default model's format; streamkv/model/gguf_codes.py, run_gguf): a pair's 32 columns
 // keep their codes and fp16 scales per block of 32 k: Q4_1's 4-bit codes with d and m (640 bytes a block; the
@@ -206,6 +205,54 @@ inline void column_pair_rows(int64_t rows, const T* x, int64_t x_stride, T* y, i
   column_pair<T, R>(x, x_stride, y, y_stride, packed, bias, m0, pair, n, k_steps, ahead, ahead_lines);
 }
 
+// Past SMALL_BATCH_MAX_ROWS rows (prefill chunks) run_gguf and run_gguf_bf16 walk a thread's pairs a chunk of
+// PANEL_CHUNK_BYTES at a time, as the AMX kernel does past AMX_PANEL_MAJOR_ROWS: the chunk's panels dequantized
+// once, then pass by pass (FLOAT_ROWS rows of x, in L1) over every panel of the chunk (from L2). Pair by pair, a
+// prefill-sized x came from L3 in every pass. SmolLM2's projections at 4,096 rows, 2 threads, as a share of the
+// FMA (fp32) or vdpbf16ps (bf16) peak, against oneDNN's on the dense weight in the same run: bf16 qkv 86.5 ->
+// 90.7% (oneDNN 92.2), gate_up 85.3 -> 93.0% (93.1); fp32 qkv 90.8 -> 90.9-92.6% (95.6-96.0), down 89.9-91.6 ->
+// 92.2-95.7% (96.2-96.4) (docs/benchmarks.md, "Round 44"). A row's result is the same bits either way: each
+// output is column_pair's chain, k ascending, whatever the rows beside it.
+constexpr int64_t SMALL_BATCH_MAX_ROWS = 128;
+constexpr int64_t PANEL_CHUNK_BYTES = 1 << 20;
+
+// x [m, K] @ the pairs' panels (k_steps x 128 bytes each, run()'s layout). panels(p0, p1, end) gives pair p0's
+// panel with those of pairs p0 + 1 .. p1 - 1 after it, read until its next call on the same thread (end: the end of
+// the thread's range, for asking for the codes that follow).
+template <typename T, typename Panels>
+void run_panel_chunks(int64_t m, const T* xp, int64_t x_stride, T* yp, int64_t y_stride, const float* bias,
+                      int64_t n, int64_t pairs, int64_t k_steps, const Panels& panels_of) {
+  const int64_t panel_elems = k_steps * 2 * 64 / static_cast<int64_t>(sizeof(T));
+  const int64_t chunk = k_steps > 0 ? std::max<int64_t>(1, PANEL_CHUNK_BYTES / (k_steps * 2 * 64)) : pairs;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = begin; p0 < end; p0 += chunk) {
+      const int64_t p1 = std::min(end, p0 + chunk);
+      const T* panels = panels_of(p0, p1, end);
+      for (int64_t m0 = 0; m0 < m; m0 += FLOAT_ROWS)
+        for (int64_t pair = p0; pair < p1; ++pair) {
+          const int64_t col = pair * 2 * LANES;
+          column_pair_rows<T>(std::min<int64_t>(FLOAT_ROWS, m - m0), xp, x_stride, yp + col, y_stride,
+                              panels + (pair - p0) * panel_elems, bias ? bias + col : nullptr, m0, 0, n - col, k_steps,
+                              nullptr, 0);
+        }
+    }
+  });
+}
+
+// run_panel_chunks' panels for GGUF codes: pairs p0 .. p1 - 1 dequantized by dequantize(codes, next, panel) into
+// this thread's scratch (next: the following pair's codes to ask for, null past the thread's range).
+template <typename T, typename Dequantize>
+auto dequantized_chunk(const uint8_t* wp, int64_t pair_bytes, int64_t panel_elems, const Dequantize& dequantize) {
+  return [=](int64_t p0, int64_t p1, int64_t end) {
+    T* panel = thread_scratch<T>((p1 - p0) * panel_elems);
+    for (int64_t pair = p0; pair < p1; ++pair) {
+      const uint8_t* w = wp + pair * pair_bytes;
+      dequantize(w, pair + 1 < end ? w + pair_bytes : nullptr, panel + (pair - p0) * panel_elems);
+    }
+    return static_cast<const T*>(panel);
+  };
+}
+
 template <typename T>
 void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   const int64_t m = x.size(0);
@@ -221,6 +268,12 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const f
   // pair's panel into the cache: memory streams the next panel while the FMAs work on this one, and every
   // pass reads from L2 (docs/benchmarks.md, "The small-batch kernel past 8 rows").
   if (m == 0) return;
+  if (m > SMALL_BATCH_MAX_ROWS) {
+    const int64_t panel_elems = k_steps * 2 * 64 / static_cast<int64_t>(sizeof(T));
+    run_panel_chunks<T>(m, xp, x.stride(0), yp, out.stride(0), bias, n, pairs, k_steps,
+                        [=](int64_t p0, int64_t, int64_t) { return wp + p0 * panel_elems; });
+    return;
+  }
   const int64_t passes = (m + FLOAT_ROWS - 1) / FLOAT_ROWS;
   const int64_t rows_per_pass = (m + passes - 1) / passes;
   const int64_t panel_lines = 2 * k_steps;  // two 64-byte lines a step
@@ -362,6 +415,14 @@ void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
   const int64_t passes = (m + FLOAT_ROWS - 1) / FLOAT_ROWS;
   const int64_t rows_per_pass = (m + passes - 1) / passes;
   const int64_t pair_bytes = blocks * Block::BYTES;
+  if (m > SMALL_BATCH_MAX_ROWS) {
+    run_panel_chunks<float>(m, xp, x.stride(0), yp, out.stride(0), bias, n, pairs, k,
+                            dequantized_chunk<float>(wp, pair_bytes, k * 2 * LANES,
+                                                     [blocks](const uint8_t* w, const uint8_t* next, float* panel) {
+                                                       dequantize_pair<Block>(w, blocks, next, panel);
+                                                     }));
+    return;
+  }
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     float* panel = passes > 1 ? thread_scratch<float>(k * 2 * LANES) : nullptr;
     for (int64_t pair = begin; pair < end; ++pair) {
@@ -874,6 +935,16 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 #endif
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   at::BFloat16* yp = out.data_ptr<at::BFloat16>();
+  if (m > SMALL_BATCH_MAX_ROWS) {
+    run_panel_chunks<at::BFloat16>(
+        m, xp, x.stride(0), yp, out.stride(0), bias, n, pairs, k / 2,
+        dequantized_chunk<at::BFloat16>(wp, pair_bytes, panel_elems,
+                                        [blocks](const uint8_t* w, const uint8_t* next, at::BFloat16* panel) {
+                                          dequantize_pair_bf16<Layout>(w, blocks, next,
+                                                                       reinterpret_cast<uint16_t*>(panel));
+                                        }));
+    return;
+  }
   const int64_t passes = (m + FLOAT_ROWS - 1) / FLOAT_ROWS;
   const int64_t rows_per_pass = (m + passes - 1) / passes;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
@@ -953,7 +1024,7 @@ void run_silu_mul(at::Tensor& act, const at::Tensor& x, const at::Tensor& packed
 //   tiles 0-3: C, [16 rows, 16 columns] of (row block 0 / 1) x (column block 0 / 1), one block's S
 //   tiles 4, 5: A, 16 rows x 32 bf16 of one piece of one block, row blocks 0 and 1
 //   tiles 6, 7: B, the block's codes as bf16 (k, k + 1) pairs x 16 columns, column blocks 0 and 1
-constexpr int64_t GGUF_F32_AMX_MIN_ROWS = 129;  // = SMALL_LINEAR_MAX_ROWS[float32] + 1 (streamkv/model/linear.py)
+constexpr int64_t GGUF_F32_AMX_MIN_ROWS = 129;  // = GGUF_F32_AMX_MIN_ROWS in streamkv/model/linear.py
 constexpr int64_t F32_PIECES = 3;
 constexpr float F32_AMX_MAX_ABS = 0x1p100f;  // |S| <= 4,096 x 2^100, far below FLT_MAX
 
