@@ -348,7 +348,7 @@ struct Q8_0Block {
 // reads 16 (Q4_1) or 32 (Q8_0) bytes of codes where fp32 reads 128; the block two ahead is asked for a line a step.
 template <typename Block, int R>
 inline void column_pair_gguf(const float* x, int64_t x_stride, float* y, int64_t y_stride, const uint8_t* w,
-                             const float* bias, int64_t m0, int64_t n, int64_t blocks) {
+                             const float* bias, int64_t m0, int64_t n, int64_t blocks, float* panel = nullptr) {
   __m512 acc[2][R];
   for (int c = 0; c < 2; ++c)
     for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
@@ -362,6 +362,10 @@ inline void column_pair_gguf(const float* x, int64_t x_stride, float* y, int64_t
       __m512 w0, w1;
       blk.step(e, w0, w1);
       const int64_t s = b * GGUF_K + e;
+      if (panel != nullptr) {
+        _mm512_store_ps(panel + s * 2 * LANES, w0);
+        _mm512_store_ps(panel + s * 2 * LANES + LANES, w1);
+      }
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(xr[r][s]);
         acc[0][r] = _mm512_fmadd_ps(xv, w0, acc[0][r]);
@@ -374,11 +378,13 @@ inline void column_pair_gguf(const float* x, int64_t x_stride, float* y, int64_t
 
 template <typename Block, int R = FLOAT_ROWS>
 inline void column_pair_gguf_rows(int64_t rows, const float* x, int64_t x_stride, float* y, int64_t y_stride,
-                                  const uint8_t* w, const float* bias, int64_t m0, int64_t n, int64_t blocks) {
+                                  const uint8_t* w, const float* bias, int64_t m0, int64_t n, int64_t blocks,
+                                  float* panel = nullptr) {
   if constexpr (R > 1) {
-    if (rows < R) return column_pair_gguf_rows<Block, R - 1>(rows, x, x_stride, y, y_stride, w, bias, m0, n, blocks);
+    if (rows < R)
+      return column_pair_gguf_rows<Block, R - 1>(rows, x, x_stride, y, y_stride, w, bias, m0, n, blocks, panel);
   }
-  column_pair_gguf<Block, R>(x, x_stride, y, y_stride, w, bias, m0, n, blocks);
+  column_pair_gguf<Block, R>(x, x_stride, y, y_stride, w, bias, m0, n, blocks, panel);
 }
 
 // A pair's whole panel dequantized into fp32 in run()'s packed layout [K, 2, 16] (panel: 64-byte aligned), the
@@ -401,10 +407,14 @@ inline void dequantize_pair(const uint8_t* w, int64_t blocks, const uint8_t* nex
 
 // y = x W^T (+ b), W as GGUF codes packed [N/32, K/32, Block::BYTES]. Up to FLOAT_ROWS rows: one pass, the
 // weights dequantized in registers (Q4_1 is a fifth of fp32's bytes: 1 row ran 4.3x, 8 rows 2.6x the fp32 kernel
-// on SmolLM2's projections from memory). More rows: each pair's panel dequantized once into a thread-local fp32
-// panel (73 KB at K = 576, from L2), then run()'s passes over it, where dequantizing in every pass was slower at
-// 64-128 rows (docs/benchmarks.md, "Round 21"). Either way a row's result is column_pair's on the dequantized
-// weight, bitwise, whatever its batch.
+// on SmolLM2's projections from memory). More rows: the first pass dequantizes in registers as one pass does and
+// stores each step's two weight vectors into a thread-local fp32 panel (73 KB at K = 576), and run()'s later
+// passes read that panel from L2, where dequantizing in every pass was slower at 64-128 rows (docs/benchmarks.md,
+// "Round 21"). Before round 44 the panel was dequantized in a pass of its own before the row passes: a decode
+// step's fp32 matmuls (30 layers and the LM head, taking turns, best of 5) at 16 / 32 / 64 rows took 26.7 / 46.0 /
+// 86.8 ms, now 22.9 / 43.0 / 83.5; in bf16 (run_gguf_bf16, the same change) 14.9 / 24.6 / 44.0 -> 12.9 / 22.5 /
+// 42.2. Past SMALL_BATCH_MAX_ROWS rows, run_panel_chunks. Either way a row's result is column_pair's on the
+// dequantized weight, bitwise, whatever its batch.
 template <typename Block>
 void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(1), pairs = packed.size(0);
@@ -433,8 +443,10 @@ void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
         column_pair_gguf_rows<Block>(m, xp, x.stride(0), yp + col, out.stride(0), w, b, 0, n - col, blocks);
         continue;
       }
-      dequantize_pair<Block>(w, blocks, pair + 1 < end ? w + pair_bytes : nullptr, panel);
-      for (int64_t m0 = 0; m0 < m; m0 += rows_per_pass)
+      // The first pass dequantizes in registers and lays the panel out for the others (see run_gguf's note).
+      column_pair_gguf_rows<Block>(rows_per_pass, xp, x.stride(0), yp + col, out.stride(0), w, b, 0, n - col, blocks,
+                                   panel);
+      for (int64_t m0 = rows_per_pass; m0 < m; m0 += rows_per_pass)
         column_pair_rows<float>(std::min(rows_per_pass, m - m0), xp, x.stride(0), yp + col, out.stride(0), panel, b,
                                 m0, 0, n - col, k, nullptr, 0);
     }
@@ -881,7 +893,8 @@ void codes_passes(const at::Tensor& x, const at::Tensor& packed, const Store& st
 // The same vdpbf16ps chain on the same bf16 lines, k ascending, so the same bits as column_pair on the panel.
 template <typename Layout, int R>
 inline void column_pair_codes_bf16(const at::BFloat16* x, int64_t x_stride, at::BFloat16* y, int64_t y_stride,
-                                   const uint8_t* w, const float* bias, int64_t m0, int64_t n, int64_t blocks) {
+                                   const uint8_t* w, const float* bias, int64_t m0, int64_t n, int64_t blocks,
+                                   uint16_t* panel = nullptr) {
   __m512 acc[2][R];
   for (int c = 0; c < 2; ++c)
     for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
@@ -895,6 +908,8 @@ inline void column_pair_codes_bf16(const at::BFloat16* x, int64_t x_stride, at::
       __m512i line[2];
       block.step(t, line);
       const int64_t s = b * (GGUF_K / 2) + t;
+      if (panel != nullptr)
+        for (int c = 0; c < 2; ++c) _mm512_store_si512(panel + s * 4 * LANES + c * 2 * LANES, line[c]);
       for (int r = 0; r < R; ++r) {
         int32_t x_pair;
         std::memcpy(&x_pair, xr[r] + 2 * s, sizeof(x_pair));
@@ -909,16 +924,18 @@ inline void column_pair_codes_bf16(const at::BFloat16* x, int64_t x_stride, at::
 template <typename Layout, int R = FLOAT_ROWS>
 inline void column_pair_codes_bf16_rows(int64_t rows, const at::BFloat16* x, int64_t x_stride, at::BFloat16* y,
                                         int64_t y_stride, const uint8_t* w, const float* bias, int64_t n,
-                                        int64_t blocks) {
+                                        int64_t blocks, uint16_t* panel = nullptr) {
   if constexpr (R > 1) {
-    if (rows < R) return column_pair_codes_bf16_rows<Layout, R - 1>(rows, x, x_stride, y, y_stride, w, bias, n, blocks);
+    if (rows < R)
+      return column_pair_codes_bf16_rows<Layout, R - 1>(rows, x, x_stride, y, y_stride, w, bias, n, blocks, panel);
   }
-  column_pair_codes_bf16<Layout, R>(x, x_stride, y, y_stride, w, bias, 0, n, blocks);
+  column_pair_codes_bf16<Layout, R>(x, x_stride, y, y_stride, w, bias, 0, n, blocks, panel);
 }
 
 // y = x W^T (+ b) for bf16 x and out, W as GGUF codes in Layout's order, packed [N/32, K/32, Layout::BYTES / 16,
 // 16]. On AMX, codes_passes; without AMX, up to FLOAT_ROWS rows one pass of column_pair_codes_bf16 (the codes
-// dequantized in registers), past them run()'s passes of vdpbf16ps over each pair's dequantized panel. Either way a
+// dequantized in registers), past them that pass first, storing the dequantized lines into the pair's panel
+// for run()'s later passes of vdpbf16ps (see run_gguf's note). Either way a
 // row's result is the dense bf16 kernel's on the dequantized bf16 weight, bitwise, whatever its batch.
 template <typename Layout>
 void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
@@ -957,8 +974,10 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
                                             n - col, blocks);
         continue;
       }
-      dequantize_pair_bf16<Layout>(w, blocks, pair + 1 < end ? w + pair_bytes : nullptr, panel);
-      for (int64_t m0 = 0; m0 < m; m0 += rows_per_pass)
+      // The first pass dequantizes in registers and lays the panel out for the others (see run_gguf's note).
+      column_pair_codes_bf16_rows<Layout>(rows_per_pass, xp, x.stride(0), yp + col, out.stride(0), w,
+                                          bias ? bias + col : nullptr, n - col, blocks, panel);
+      for (int64_t m0 = rows_per_pass; m0 < m; m0 += rows_per_pass)
         column_pair_rows<at::BFloat16>(std::min(rows_per_pass, m - m0), xp, x.stride(0), yp + col, out.stride(0),
                                        reinterpret_cast<const at::BFloat16*>(panel), bias ? bias + col : nullptr,
                                        m0, 0, n - col, k / 2, nullptr, 0);
