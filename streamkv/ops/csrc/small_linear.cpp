@@ -205,11 +205,11 @@ inline void column_pair_rows(int64_t rows, const T* x, int64_t x_stride, T* y, i
   column_pair<T, R>(x, x_stride, y, y_stride, packed, bias, m0, pair, n, k_steps, ahead, ahead_lines);
 }
 
-// Past SMALL_BATCH_MAX_ROWS rows (prefill chunks) run_gguf and run_gguf_bf16 walk a thread's pairs a chunk of
-// PANEL_CHUNK_BYTES at a time, as the AMX kernel does past AMX_PANEL_MAJOR_ROWS: the chunk's panels dequantized
-// once, then pass by pass (FLOAT_ROWS rows of x, in L1) over every panel of the chunk (from L2). Pair by pair, a
+// Past SMALL_BATCH_MAX_ROWS rows (prefill chunks) run, run_gguf and run_gguf_bf16 (the vector kernels) walk a
+// thread's pairs a chunk of PANEL_CHUNK_BYTES at a time, as the AMX kernel does past AMX_PANEL_MAJOR_ROWS: the
+// chunk's panels dequantized once (GGUF codes) or read in place (packed weights), then pass by pass (FLOAT_ROWS rows of x, in L1) over every panel of the chunk (from L2). Pair by pair, a
 // prefill-sized x came from L3 in every pass. SmolLM2's projections at 4,096 rows, 2 threads, as a share of the
-// FMA (fp32) or vdpbf16ps (bf16) peak, against oneDNN's on the dense weight in the same run: bf16 qkv 86.5 ->
+// FMA (fp32) or vdpbf16ps (bf16) peak, against oneDNN's on the dense weight in the same run: bf16 qkv 86.6 ->
 // 90.7% (oneDNN 92.2), gate_up 85.3 -> 93.0% (93.1); fp32 qkv 90.8 -> 90.9-92.6% (95.6-96.0), down 89.9-91.6 ->
 // 92.2-95.7% (96.2-96.4) (docs/benchmarks.md, "Round 44"). A row's result is the same bits either way: each
 // output is column_pair's chain, k ascending, whatever the rows beside it.
