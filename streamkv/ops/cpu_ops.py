@@ -221,6 +221,8 @@ def _build(
 def main() -> int:
     """``python -m streamkv.ops.cpu_ops``: build now (``make install``); exit 0 either way, say which."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("streamkv: building the four C++ CPU ops unless cached (the first time takes 5-10 minutes on 2 cores;"
+          " each prints a line when it is done)", file=sys.stderr)  # fmt: skip
     ok = load_cpu_ops() is not None
     print(f"streamkv CPU ops: {'built' if ok else 'NOT built (the torch attention path will run)'}", file=sys.stderr)
     fused = load_fused_ops() is not None
