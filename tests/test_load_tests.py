@@ -9,11 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.metrics import EngineMetrics
-from streamkv.model.linear import small_linear_max_rows
+from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS
 from streamkv.model.loader import LoadedModel
 from streamkv.ops.cpu_ops import load_linear_ops
 
@@ -353,7 +352,7 @@ def test_soak_quick_returns_to_empty(tmp_path: Path) -> None:
     assert all(p["py_blocks"] > 0 and p["malloc_in_use_mb"] > 0 for p in result["probes"])
     # oneDNN runs the prefill matmuls unless the small-batch kernel takes every batch (fp32 on an AVX2 build)
     ops = load_linear_ops()
-    onednn_runs = ops is None or small_linear_max_rows(ops, torch.float32) < sys.maxsize
+    onednn_runs = ops is None or SMALL_LINEAR_MAX_ROWS < sys.maxsize
     assert (result["probes"][-1]["onednn_linear_shapes"] > 0) == onednn_runs
     assert result["onednn_cache_full_at_warmup"] is not None or not onednn_runs
     assert "gc_types_grown" in result["probe_growth"]

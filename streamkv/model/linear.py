@@ -103,12 +103,6 @@ INT8_MAX_ROWS = sys.maxsize
 INT8_MAX = 127
 
 
-def small_linear_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:
-    """Most rows of ``x`` the small-batch kernel of ``ops`` takes for ``dtype`` weights: every batch size."""
-    del ops, dtype  # one answer since round 44; kept so callers need not know it
-    return SMALL_LINEAR_MAX_ROWS
-
-
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 of a ``[N, K]`` weight: ``W[n, k] ~= q[n, k] * scale[n]``.
 
@@ -190,7 +184,7 @@ class SmallMatmul:
             packed = codes.pack(ops, bf16=w.dtype == torch.bfloat16)
         else:
             packed = ops.pack_small_linear(w.contiguous())
-        return cls(ops, packed, w.shape[0], small_linear_max_rows(ops, w.dtype), None, b)
+        return cls(ops, packed, w.shape[0], SMALL_LINEAR_MAX_ROWS, None, b)
 
     def takes(self, rows: int) -> bool:
         """Whether ``rows`` rows of ``x`` run on this kernel (else oneDNN): up to ``max_rows``."""

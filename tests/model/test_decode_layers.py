@@ -19,7 +19,7 @@ import torch
 from streamkv.config import ModelConfig
 from streamkv.llm import LLM
 from streamkv.model.decode_layers import DecodeLayers
-from streamkv.model.linear import small_linear_max_rows
+from streamkv.model.linear import SMALL_LINEAR_MAX_ROWS
 from streamkv.model.loader import HFCheckpoint, LoadedModel, from_hf, load_model
 from streamkv.model.precision import onednn_has_bf16
 from streamkv.ops.cpu_ops import load_linear_ops, set_amx
@@ -160,7 +160,7 @@ def test_smollm2_bf16_gate_up_with_silu_in_one_op_keeps_the_unfused_bits(
 def test_steps_the_op_cannot_run_keep_the_layer_path(smollm2: LoadedModel, fast_calls: list[int]) -> None:
     require_op(smollm2)
     fast = smollm2.model.model.decode_layers
-    assert fast is not None and fast.max_rows == small_linear_max_rows(load_linear_ops(), torch.float32)
+    assert fast is not None and fast.max_rows == SMALL_LINEAR_MAX_ROWS
     llm = LLM(loaded=smollm2, device="cpu", num_blocks=256, kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False)
     llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert not fast_calls  # an fp8 cache: the op would not write that cache itself
