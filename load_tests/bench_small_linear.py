@@ -8,7 +8,7 @@ with the weight bytes it streamed per second; the first line is a plain read
 of a 512 MiB tensor (``torch.sum``), the machine's reference bandwidth.
 ``int8`` rows run ``--quantization int8``'s matmuls: bf16 x against the int8
 kernel (its GB/s count int8 bytes) and oneDNN on the dequantized bf16
-weights (what batches past ``INT8_MAX_ROWS`` run). ``gguf`` rows run a float32
+weights (the matmul an int8 model ran before its kernel took every batch). ``gguf`` rows run a float32
 model of the default GGUF: the projections on Q4_1 codes and the LM head on
 Q8_0 codes (the kernel's GB/s count the codes' bytes), against oneDNN on the
 float32 weights; ``gguf_bf16`` rows the same codes in a bfloat16 model,

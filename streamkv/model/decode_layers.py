@@ -12,9 +12,8 @@ kernels in the same order from C++, so its result is the same to the bit
 
 It takes a step when every condition of that equivalence holds: a pure decode
 step (every sequence has one new token) whose rows all sample (the model was
-given no ``OutputRows``), no more rows than the small-batch
-matmul kernel takes (it runs every projection; int8 weights run on that
-kernel at every batch size, so then any batch), the C++ CPU attention backend,
+given no ``OutputRows``), every projection on the small-batch matmul kernel
+(which takes any number of rows), the C++ CPU attention backend,
 and a KV cache the op writes itself (the model's dtype, bf16 for an fp32
 model, or int8). Anything else (fp8) runs the layers one op at a time, as before.
 """
@@ -40,14 +39,12 @@ class DecodeLayers:
     Attributes:
         ops: :func:`streamkv.ops.cpu_ops.load_decode_ops`'s module.
         layers: per layer, the arguments after ``(h, residual, first)`` up to the step's tensors.
-        max_rows: most rows the small-batch kernels take (the fewest over the projections).
         dtype: the model's dtype.
         geometry: ``(num_heads, num_kv_heads, head_dim, intermediate_size, softmax scale)``.
     """
 
     ops: ModuleType
     layers: tuple[tuple[Any, ...], ...]
-    max_rows: int
     dtype: torch.dtype
     geometry: tuple[int, int, int, int, float]
 
@@ -61,7 +58,6 @@ class DecodeLayers:
         if ops is None or not layers:
             return None
         args_of_layers = []
-        max_rows = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             norm, post = layer.input_layernorm, layer.post_attention_layernorm
@@ -71,14 +67,13 @@ class DecodeLayers:
                 if m is None:
                     return None
                 args += [m.packed, m.scale, m.bias]
-                max_rows.append(m.max_rows)
             silu_mul = mlp.silu_mul  # gate_up with SiLU-and-mul in one op (AMX), as the MLP's forward runs it
             args += [None, None] if silu_mul is None else [silu_mul.packed, silu_mul.bias]
             args_of_layers.append(tuple(args))
         a, mlp = layers[0].self_attn, layers[0].mlp
         geometry = (a.num_heads, a.num_kv_heads, a.head_dim, mlp.intermediate_size, a.scale)
         dtype = layers[0].input_layernorm.weight.dtype
-        return cls(ops, tuple(args_of_layers), min(max_rows), dtype, geometry)
+        return cls(ops, tuple(args_of_layers), dtype, geometry)
 
     def takes(
         self, num_tokens: int, meta: AttentionMetadata, backend: AttentionBackend, kv_cache: torch.Tensor
@@ -86,7 +81,6 @@ class DecodeLayers:
         """Whether this step can run on the op (see the module docstring)."""
         return (
             meta.is_pure_decode
-            and num_tokens <= self.max_rows
             and isinstance(backend, CpuPagedAttention)
             and writes_in_cpp(kv_cache.dtype, self.dtype)
         )

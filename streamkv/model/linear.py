@@ -15,8 +15,7 @@ each weight panel once per 12 rows from L2 while memory streams the next
 panel, which keeps it ahead of oneDNN up to 128 rows ("The small-batch kernel
 past 8 rows"); past 128 rows (prefill chunks) it walks a thread's panels a
 chunk at a time, pass by pass, within 1-5% of oneDNN at 4,096 rows
-(docs/benchmarks.md, "Round 44"). It takes every batch size
-(:data:`SMALL_LINEAR_MAX_ROWS`), so a row's result never depends on the rows
+(docs/benchmarks.md, "Round 44"). It takes every batch size, so a row's result never depends on the rows
 it is batched or chunked with: until round 44 prefill rows past 128 went to
 oneDNN, whose sums run in another order, and in bf16 that changed greedy
 tokens (a prompt alone and among 15 others decoded differently in 4-9 of 16
@@ -54,14 +53,13 @@ runs about 2.3x as fast as the FMA kernel (docs/benchmarks.md, "Round 32").
 
 ``--quantization int8`` (:func:`quantize_int8`, :meth:`Linear.prepack` with
 ``int8``) keeps only int8 codes and a float32 scale per output, run by the
-int8 kernel of the same file at every batch size (:data:`INT8_MAX_ROWS`):
+int8 kernel of the same file at every batch size:
 ``vpdpwssd`` up to 3 rows and, on a CPU with AMX-INT8, AMX tiles from 4 rows,
 with bitwise the same results.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, TypeGuard
@@ -75,14 +73,14 @@ from streamkv.model.gguf_codes import GGUF_CODE_DTYPES
 if TYPE_CHECKING:
     from streamkv.model.gguf_codes import GGUFCodes
 
-# Every batch size runs on the small-batch kernel, on AVX-512 and AVX2 alike. The crossover measured in round 7
+# Every batch size runs on the small-batch kernel (a weight with a SmallMatmul never takes oneDNN), on AVX-512 and
+# AVX2 alike. The crossover measured in round 7
 # (load_tests/bench_small_linear.py, 2 threads: 1.30x / 1.32x / 1.16x / 1.04x oneDNN at 16 / 32 / 64 / 128 rows in
 # fp32, 1.52x / 1.43x / 1.25x / 1.15x in bf16, on par at 256) once sent prefill rows past 128 to oneDNN; since round
 # 44 the kernel walks those a chunk of panels at a time (small_linear.cpp, run_panel_chunks) and one kernel takes
 # them all, so a row's result does not depend on its batch or chunk. Whole offline runs, 32 x 128 tokens on the
 # 2-core Zen 4, one process taking turns, medians of 3: the 4,096-row prefill step 2,175 -> 2,206 ms in bf16 and
 # 4,367 -> 4,332 ms in fp32 on the default model's codes (docs/benchmarks.md, "Round 44").
-SMALL_LINEAR_MAX_ROWS = sys.maxsize
 
 # The fp32 kernel on GGUF codes runs passes of this many rows or more on AMX tiles while the switch is on
 # (small_linear.cpp, GGUF_F32_AMX_MIN_ROWS, run_gguf_amx_f32: x = x1 + x2 + x3 in exact bf16 pieces, fp32 sums);
@@ -94,12 +92,11 @@ GGUF_F32_AMX_MIN_ROWS = 129
 # vdpbf16ps kernel.
 AMX_TILE_K = 32
 
-# int8 weights run on their kernel at every batch size: it streams half the bytes of bf16 at few rows, and one
+# int8 weights, too, run on their kernel at every batch size: it streams half the bytes of bf16 at few rows, and one
 # kernel for every row count keeps a row's result independent of the batch it is in. On AMX-INT8 its tile path
 # (run_amx_int8, bitwise the vpdpwssd path's results) runs a decode step's matmuls 1.05-1.7x as fast as oneDNN's
 # bf16 matmul at 16-128 rows and 0.64-0.72x at 4,096, where the vpdpwssd path alone was 0.23x
 # (load_tests/bench_small_linear.py, int8 rows; docs/benchmarks.md "Round 30").
-INT8_MAX_ROWS = sys.maxsize
 INT8_MAX = 127
 
 
@@ -143,12 +140,12 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 class SmallMatmul:
     """One weight packed for the small-batch kernels: in its float dtype, or int8 with a scale per output.
 
+    It runs every batch size, so a row's result never depends on the rows beside it (see the module's docstring).
+
     Attributes:
         ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module.
         packed: ``pack_small_linear`` (float) or ``pack_small_linear_int8`` (int8) of the weight.
         out_features: ``N``.
-        max_rows: most rows of ``x`` sent to the kernel (larger batches would take oneDNN): every batch size,
-            ``sys.maxsize``, for every kind of weight since round 44.
         scale: float32 ``[N]`` for int8 weights, else ``None``.
         bias: float32 ``[N]`` (the kernels add it in fp32) or ``None``.
     """
@@ -156,7 +153,6 @@ class SmallMatmul:
     ops: ModuleType
     packed: torch.Tensor
     out_features: int
-    max_rows: int
     scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
 
@@ -178,20 +174,16 @@ class SmallMatmul:
         if int8 is not None:
             q, scale = int8
             packed = ops.pack_small_linear_int8(q.contiguous())
-            return cls(ops, packed, q.shape[0], INT8_MAX_ROWS, scale, b)
+            return cls(ops, packed, q.shape[0], scale, b)
         w = weight.detach()
         if codes is not None and has_gguf_kernel(ops, w.dtype):
             packed = codes.pack(ops, bf16=w.dtype == torch.bfloat16)
         else:
             packed = ops.pack_small_linear(w.contiguous())
-        return cls(ops, packed, w.shape[0], SMALL_LINEAR_MAX_ROWS, None, b)
-
-    def takes(self, rows: int) -> bool:
-        """Whether ``rows`` rows of ``x`` run on this kernel (else oneDNN): up to ``max_rows``."""
-        return rows <= self.max_rows
+        return cls(ops, packed, w.shape[0], None, b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K]`` (float32/bfloat16, any ``M``; :meth:`takes` says where it is fastest) -> ``[M, N]``.
+        """``x [M, K]`` (float32/bfloat16, any ``M``) -> ``[M, N]``.
 
         Float weights: fp32 accumulates in fp32; bf16 multiplies bf16 pairs and
         accumulates in fp32, rounding once to bf16 (oneDNN's contract, another
@@ -232,7 +224,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` -> ``[N, out]``."""
-        if self.small is not None and self.small.takes(x.shape[0]):
+        if self.small is not None:
             return self.small(x)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
@@ -274,7 +266,7 @@ class Linear(nn.Linear):
             codes = None  # the GGUF's codes give the weight, not its int8 model
         if small_ops is not None:
             self.small = SmallMatmul.pack(small_ops, weight, self.bias, codes=codes)
-        if self.small is None or self.small.max_rows < sys.maxsize:  # oneDNN takes the rows the kernel does not
+        if self.small is None:  # no kernel for this dtype in this build: oneDNN runs every batch
             self.packed_weight = pack_linear_weight(weight, batch_size_hint)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 

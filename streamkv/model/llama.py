@@ -26,7 +26,6 @@ torch ops do; the torch ops stay the reference and the fallback.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -221,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         logits and taking their argmax took 0.74-0.79 ms, the argmax of the bf16 rows
         0.18-0.20 (docs/benchmarks.md, "Round 39").
         """
-        if self.small_lm_head is not None and self.small_lm_head.takes(hidden.shape[0]):
+        if self.small_lm_head is not None:
             logits = self.small_lm_head(hidden)
         elif self.packed_lm_head is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_lm_head, None, "none", [], "")
@@ -276,9 +275,8 @@ class LlamaForCausalLM(nn.Module):
             batch_size_hint: rows per matmul the packed layout is tuned for
                 (any row count works).
             small_ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module: every matmul
-                then runs on its kernel, at every batch size (:data:`SMALL_LINEAR_MAX_ROWS`;
-                float32 and bfloat16 only), from its own packed copy of each weight, the only
-                copy (no oneDNN one: :meth:`SmallMatmul.takes`). A
+                then runs on its kernel, at every batch size (float32 and bfloat16 only),
+                from its own packed copy of each weight, the only copy (no oneDNN one). A
                 bfloat16 model whose ops run AMX tiles also keeps each gate_up once more,
                 interleaved for its fused SiLU-and-mul at every batch (:class:`GateUpSiluMul`;
                 its GGUF codes where ``codes`` has them, else the dense weight).
@@ -309,8 +307,8 @@ class LlamaForCausalLM(nn.Module):
             dense_head = head.detach() if int8_head is None else dequantize_int8(*int8_head, head.dtype)
             head_codes = gguf.get("lm_head")
             small_head = None if small_ops is None else SmallMatmul.pack(small_ops, dense_head, codes=head_codes)
-            packed_head = None  # where the kernel takes every batch size (fp32 on AVX2), no oneDNN copy is kept
-            if small_head is None or small_head.max_rows < sys.maxsize:
+            packed_head = None  # the kernel takes every batch size: no oneDNN copy
+            if small_head is None:
                 try:
                     packed_head = pack_linear_weight(dense_head, batch_size_hint)
                 except RuntimeError:
@@ -462,7 +460,7 @@ class Attention(nn.Module):
 # cache before silu_and_mul and down_proj read it, and oneDNN's fp32 gate_up ran at ~150 GFLOP/s against ~190 at
 # 512 rows. Slices of 1,024 rows: the 4,096-token fp32 prefill 5-9% faster in three alternating rounds
 # (docs/benchmarks.md, "MLP slices in long prefill steps"). Rows are independent, and one kernel takes every batch size
-# (streamkv/model/linear.py, SMALL_LINEAR_MAX_ROWS), so a slice gives its rows the same bits as the whole step
+# (streamkv/model/linear.py), so a slice gives its rows the same bits as the whole step
 # (fp32 on an AMX host to the last bits' level: calls of 129+ rows of the GGUF codes run on tiles).
 MLP_SLICE_ROWS = 1024
 # bf16 (and fp16) steps slice at 4,096 rows: oneDNN's AMX matmul runs down_proj's [rows, 1536] x [1536, 576] on one

@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import importlib.util
 import logging
-import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -295,9 +294,8 @@ def from_hf(
         from streamkv.ops.cpu_ops import load_decode_ops, load_fused_ops  # build on first use; None when they cannot
 
         model.use_fused_ops(load_fused_ops(), load_decode_ops() if small_ops is not None else None)
-        if (fast := model.model.decode_layers) is not None:
-            rows = "any number of" if fast.max_rows == sys.maxsize else f"up to {fast.max_rows}"
-            logger.info("pure-decode steps of %s rows run one C++ call per decoder layer", rows)
+        if model.model.decode_layers is not None:
+            logger.info("pure-decode steps run one C++ call per decoder layer")
     return LoadedModel(
         model=model,
         tokenizer=checkpoint.tokenizer,

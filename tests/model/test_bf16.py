@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import math
 import random
-import sys
 from typing import Any
 
 import pytest
@@ -158,7 +157,6 @@ def test_bf16_matmuls_run_on_the_ggufs_codes_bitwise(
     for ours, reference in pairs:
         assert ours is not None and ours.packed.dtype == torch.uint8
         assert reference is not None and reference.packed.dtype == torch.bfloat16
-        assert ours.max_rows == reference.max_rows == sys.maxsize  # every batch size on the kernel
         for rows in (1, 13, 40, 129):
             x = torch.randn(rows, 2 * reference.packed.shape[1]).bfloat16()
             assert torch.equal(ours(x), reference(x)), rows

@@ -43,7 +43,7 @@
 // there vdpbf16ps computes at ~53 GMAC/s a core and the kernel above was compute-bound from 16 rows (0.25x
 // oneDNN's AMX matmul at 64), while tdpbf16ps reaches ~550, so every row count streams the weight at memory
 // speed up to 32 rows and keeps at or ahead of oneDNN up to 128 (docs/benchmarks.md, "Round 15"). Python sends
-// every batch size here (streamkv/model/linear.py, SMALL_LINEAR_MAX_ROWS), prefill chunks included ("Round 44").
+// every batch size here (streamkv/model/linear.py, SmallMatmul), prefill chunks included ("Round 44").
 //
 // fp32 x on GGUF codes (the default model's format; streamkv/model/gguf_codes.py, run_gguf): a pair's 32 columns
 // keep their codes and fp16 scales per block of 32 k: Q4_1's 4-bit codes with d and m (640 bytes a block; the
@@ -1741,7 +1741,7 @@ void run_amx_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
 }  // namespace
 
 // The fp32 kernel's instruction set: "avx512" (run), "avx2" (run_avx2; rows in blocks, every batch size) or
-// "" (none). Python picks the rows each takes by it (streamkv/model/linear.py, small_linear_max_rows).
+// "" (none). Either kernel takes every batch size (streamkv/model/linear.py).
 const char* small_linear_isa() {
 #if defined(__AVX512F__)
   return "avx512";
