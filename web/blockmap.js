@@ -386,7 +386,10 @@ function renderFigures(s) {
   const se = s.sessions || {};
   const items = [
     ["sessions", fmtInt(se.active)],
-    ["pinned", fmtInt(se.pinned_blocks)],
+    // Every block a session pin holds, shared ones included; the legend's "pinned" colours only those with
+    // one reference (a pinned block another request also holds is drawn, and counted, as "shared").
+    ["session-held", fmtInt(se.pinned_blocks),
+      "blocks pinned by chat sessions, shared ones included (the legend counts a shared one as shared)"],
     ["prompt tok", fmtInt(c.prompt_tokens)],
     ["gen tok", fmtInt(c.generation_tokens)],
     ["CoW copies", fmtInt(c.cow_copies)],
@@ -398,8 +401,9 @@ function renderFigures(s) {
     items.push(["off the pool", `${fmtInt((off.host_sessions | 0) + (off.disk_sessions | 0))} sessions ` +
       `(host ${fmtInt(off.host_sessions)}, disk ${fmtInt(off.disk_sessions)})`]);
   }
-  foot.replaceChildren(...items.map(([k, v]) => {
+  foot.replaceChildren(...items.map(([k, v, title]) => {
     const span = document.createElement("span");
+    if (title) span.title = title;
     const b = document.createElement("b");
     b.textContent = v;
     span.append(`${k} `, b);
@@ -427,7 +431,7 @@ function updateLegend(own) {
       free: "unreferenced, empty",
       cached: "free, but holds a reusable prefix (evictable)",
       used: "held by one running request",
-      pinned: "held by an idle chat session",
+      pinned: "held by an idle chat session alone (pinned blocks that are shared count as shared)",
       shared: "ref count > 1 (prefix shared / forked)",
     };
     for (const name of [...STATE_NAMES, "own"]) {
