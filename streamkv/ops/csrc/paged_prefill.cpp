@@ -1001,8 +1001,14 @@ void paged_prefill(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Te
       }
     }
 #endif
+    // Head dim 64, fp32 products: 6 query vectors a register block (24 accumulators in both products, two rows of a
+    // 3-head group), where 4 left the FMAs waiting on loads. On the 2-core Zen 4 (op alone, taking turns) 32 x
+    // 128-token prompts ran 6.9 -> 5.2 ms a layer, one 4,096-token prompt 152 -> 108, 8 x 64 rows over 1,000 cached
+    // tokens 10.1 -> 7.2; in the engine, the fp32 prefill of one 4,096-token prompt 9.4 -> 7.7 s. The bits do not
+    // change: each vector's sums run over d and over keys in the same order whatever the block. bf16 (vdpbf16ps)
+    // stays at 4: 6 was level there, within noise either way (docs/benchmarks.md "Round 45").
     switch (query.size(2)) {
-      case 64: return prefill_avx512<4, 4, dot, q_t, kv_t>(layout, tasks, max_rows, s);
+      case 64: return prefill_avx512<4, dot ? 4 : 6, dot, q_t, kv_t>(layout, tasks, max_rows, s);
       case 128: return prefill_avx512<8, 2, dot, q_t, kv_t>(layout, tasks, max_rows, s);
       default: break;
     }
