@@ -1,14 +1,14 @@
-"""Prefill steps of a bf16 model with gate_up and SiLU-and-mul fused on AMX tiles, and without (one process).
+"""Prefill steps of a bf16 model with gate_up and SiLU-and-mul fused, and without (one process).
 
 ``batch`` prompts of ``--prompt`` random tokens are admitted at once and the
 first engine step is timed (it prefills up to ``--budget`` tokens of them:
 ``max_num_batched_tokens``); the rest of the run is stepped off untimed. The
 two routings take turns each round in the same engine, the fused one
-(``small_linear_silu_mul``: act straight out of the AMX kernel, the gate_up
-rows interleaved; ``streamkv/model/swiglu.py``) and the unfused one
-(gate_up past 128 rows on oneDNN, as SmolLM2's 3,072 outputs take it, then
-``silu_and_mul``), so machine load
-hits both alike; the median and best of each are printed.
+(``small_linear_silu_mul``: act straight out of the kernel's passes, on AMX
+tiles or ``vdpbf16ps``, the gate_up rows interleaved;
+``streamkv/model/swiglu.py``) and the unfused one (gate_up on the same
+kernel, then ``silu_and_mul``), so machine load hits both alike; the median
+and best of each are printed.
 
     .venv/bin/python -m load_tests.bench_prefill_mlp                                 # budgets 512, 2048, 4096
     .venv/bin/python -m load_tests.bench_prefill_mlp --budgets 512 --rounds 20
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print_header("prefill steps: gate_up + SiLU-and-mul fused on AMX against unfused", "load_tests.bench_prefill_mlp")
+    print_header("prefill steps: gate_up + SiLU-and-mul fused against unfused", "load_tests.bench_prefill_mlp")
     from streamkv.llm import LLM
     from streamkv.model.llama import MLP
 
@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         fused = [m.silu_mul for m in mlps]
         rows = min(budget, args.batch * args.prompt)  # the first step's
         if not all(f is not None and f.takes(rows) for f in fused):
-            print(f"| {budget} | - | - | - | - | no fused gate_up here (needs a bf16 model on AMX-BF16, > 128 rows) |")
+            why = "needs a bf16 model on AVX512-BF16; > 128 rows without AMX"
+            print(f"| {budget} | - | - | - | - | no fused gate_up here ({why}) |")
             continue
         rng = random.Random(0)
         times: dict[str, list[float]] = {"fused": [], "unfused": []}

@@ -67,7 +67,7 @@ class DecodeLayers:
                 if m is None:
                     return None
                 args += [m.packed, m.scale, m.bias]
-            silu_mul = mlp.silu_mul  # gate_up with SiLU-and-mul in one op (AMX), as the MLP's forward runs it
+            silu_mul = mlp.silu_mul  # gate_up with SiLU-and-mul in one op where it takes the rows, as the MLP does
             args += [None, None] if silu_mul is None else [silu_mul.packed, silu_mul.bias]
             args_of_layers.append(tuple(args))
         a, mlp = layers[0].self_attn, layers[0].mlp

@@ -277,9 +277,10 @@ class LlamaForCausalLM(nn.Module):
             small_ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module: every matmul
                 then runs on its kernel, at every batch size (float32 and bfloat16 only),
                 from its own packed copy of each weight, the only copy (no oneDNN one). A
-                bfloat16 model whose ops run AMX tiles also keeps each gate_up once more,
-                interleaved for its fused SiLU-and-mul at every batch (:class:`GateUpSiluMul`;
-                its GGUF codes where ``codes`` has them, else the dense weight).
+                bfloat16 model on an AVX512-BF16 build also keeps each gate_up once more,
+                interleaved for its fused SiLU-and-mul (:class:`GateUpSiluMul`: every batch on
+                AMX tiles, prefill-sized ones on ``vdpbf16ps``; its GGUF codes where ``codes``
+                has them, else the dense weight).
             int8: every projection and the LM head become their int8 models
                 (:func:`streamkv.model.linear.quantize_int8`, one scale per output),
                 run by the int8 kernel at every batch size when ``small_ops`` has it
@@ -478,7 +479,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.fused: ModuleType | None = None
-        # gate_up with SiLU-and-mul in its epilogue for every batch on AMX (set by prepack_cpu_weights for bf16)
+        # gate_up with SiLU-and-mul in its epilogue, bf16 on AVX512-BF16 (set by prepack_cpu_weights; takes() says when)
         self.silu_mul: GateUpSiluMul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -326,7 +326,8 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) 
     fused_gate_up = [m.silu_mul for m in model.modules() if isinstance(m, MLP) and m.silu_mul is not None]
     if fused_gate_up:
         fused_mib = sum(f.nbytes for f in fused_gate_up) / 2**20
-        where += f"; gate_up with SiLU-and-mul in its epilogue, on AMX tiles ({fused_mib:.0f} MiB more)"
+        steps = "every step" if on_amx else "prefill steps past 128 rows"
+        where += f"; gate_up with SiLU-and-mul in its epilogue in {steps} ({fused_mib:.0f} MiB more)"
     logger.info("every matmul on the small-batch linear kernel, at every batch size (no oneDNN copy)%s: %.0f MiB of "
                 "weights packed for it", where, mib)  # fmt: skip
 

@@ -1,12 +1,13 @@
-"""SwiGLU's gate_up with SiLU-and-mul in the matmul's epilogue, for every bf16 batch on AMX tiles.
+"""SwiGLU's gate_up with SiLU-and-mul in the matmul's epilogue, for every bf16 batch on AVX512-BF16 CPUs.
 
 A prefill step of 4,096 rows makes a ``[4096, 2 I]`` gate_up output (25 MB in
 bf16 for SmolLM2) that goes to memory for ``silu_and_mul`` to read back and
 halve. ``small_linear_silu_mul`` (``streamkv/ops/csrc/small_linear.cpp``)
 writes only ``act [T, I]``: gate_up's rows are packed interleaved 16 at a time
-(:func:`interleave_gate_up`), so each 32-column pass of the AMX kernel holds
+(:func:`interleave_gate_up`), so each 32-column pass of the kernel holds
 16 gate columns and their 16 up columns and applies SiLU-and-mul to them as
-it stores them. Its result is bitwise ``silu_and_mul`` of the kernel's own
+it stores them (on AMX tiles from the tiles' output; on ``vdpbf16ps`` from a
+pass's ``[rows, 32]`` tile on the stack). Its result is bitwise ``silu_and_mul`` of the kernel's own
 gate_up (the same tile sums, the same bf16 roundings and SiLU table), so a
 row's MLP does not depend on whether it was prefilled or decoded, or in how
 large a chunk. Against oneDNN's gate_up followed by ``silu_and_mul``
@@ -18,9 +19,14 @@ rows), which saves the separate ``silu_and_mul`` and its parallel region:
 unfused against 1.88 / 2.10 / 2.86 / 4.38 fused (``python -m
 load_tests.bench_gate_up_silu``; docs/benchmarks.md, "Round 41").
 
-Only where the AMX-BF16 kernel runs (``small_linear_silu_mul_supported``:
-the build has it and the AMX switch is on); elsewhere the MLP runs its
-gate_up matmul and ``silu_and_mul`` as before. The packed copy is the GGUF's
+Where the build has AVX512-BF16 (``small_linear_silu_mul_supported``): on
+AMX tiles while the AMX switch is on, else on ``vdpbf16ps``, whose passes are
+run_gguf_bf16's (or run()'s for a dense pack), so the bits are that kernel's
+gate_up's. On ``vdpbf16ps`` the MLP takes it for prefill-sized steps (past 128
+rows) alone: on the 2-core Zen 4 (no AMX) a 32 x 128-token bf16 prefill step
+took 2,495 -> 2,381 ms, but a 32-row decode step 37.0 -> 39.1 ms
+(:meth:`GateUpSiluMul.takes`; docs/benchmarks.md, "Round 45").
+Elsewhere the MLP runs its gate_up matmul and ``silu_and_mul`` as before. The packed copy is the GGUF's
 codes where the model has them (about 0.3 of the bf16 bytes for Q4_1), else
 the dense bf16 weight.
 """
@@ -101,8 +107,9 @@ class GateUpSiluMul:
         return cls(ops, packed, rows // 2, b)
 
     def takes(self, rows: int) -> bool:
-        """Whether ``rows`` rows run fused: any batch, while the AMX kernel runs in this process."""
-        return rows >= 1 and bool(self.ops.small_linear_silu_mul_supported())
+        """Whether ``rows`` rows run fused: any batch on AMX tiles, past 128 rows on ``vdpbf16ps``
+        (``small_linear_silu_mul_takes``; the bits are the same either way)."""
+        return bool(self.ops.small_linear_silu_mul_takes(rows))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, K]`` bfloat16 -> ``act [T, I]`` = ``silu(x W_gate^T + b_gate) * (x W_up^T + b_up)``, each

@@ -126,11 +126,11 @@ def test_smollm2_bf16_with_int8_weights(smollm2_checkpoint: HFCheckpoint, fast_c
 def test_smollm2_bf16_gate_up_with_silu_in_one_op_keeps_the_unfused_bits(
     smollm2_checkpoint: HFCheckpoint, fast_calls: list[int]
 ) -> None:
-    # On AMX a bf16 layer's gate_up and SiLU-and-mul run as one small_linear_silu_mul on the GGUF's codes, in the op
-    # and in the layer path alike; the op's unfused form (gate_up, then silu_and_mul) must give the same bits.
+    # On AVX512-BF16 a bf16 layer's gate_up and SiLU-and-mul run as one small_linear_silu_mul on the GGUF's codes, in
+    # the op and in the layer path alike; the op's unfused form (gate_up, then silu_and_mul) must give the same bits.
     ops = load_linear_ops()
     if ops is None or not ops.small_linear_silu_mul_supported():
-        pytest.skip("the fused gate_up needs AMX-BF16 (switched on)")
+        pytest.skip("the fused gate_up needs AVX512-BF16")
     loaded = from_hf(smollm2_checkpoint, torch.bfloat16, torch.device("cpu"))
     require_op(loaded)
     check_same(loaded, fast_calls)
@@ -146,7 +146,7 @@ def test_smollm2_bf16_gate_up_with_silu_in_one_op_keeps_the_unfused_bits(
     assert tokens == fused_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, fused_logits, strict=True))
     fast_calls.clear()
-    before = set_amx(False)  # switched off: the op holds the packs but runs gate_up and silu_and_mul, as the layers do
+    before = set_amx(False)  # switched off: the packs run on vdpbf16ps, in the op and the layers alike
     try:
         check_same(loaded, fast_calls)
     finally:

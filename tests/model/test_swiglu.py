@@ -5,10 +5,11 @@ op's ``act`` is bitwise ``silu_and_mul`` (``fused_layers.cpp``) of
 ``small_linear``'s gate_up on the weight in its own order, for dense bf16
 weights and for GGUF Q4_1 / Q8_0 codes, at decode and prefill row counts,
 with a bias, strided rows, special values (a NaN row, -0, values whose SiLU
-overflows) and one thread walking many chunks. Compared as int16 bits, so a
-NaN or a zero's sign counts. Then the MLP: at every row count of a bf16 model
-on AMX it runs fused, with the same bits as the unfused MLP on the
-small-batch kernel.
+overflows) and one thread walking many chunks, on AMX tiles and on vdpbf16ps
+(AMX switched off; where the CPU has no AMX both parameters run vdpbf16ps).
+Compared as int16 bits, so a NaN or a zero's sign counts. Then the MLP: at
+every row count of a bf16 model on an AVX512-BF16 CPU it runs fused, with the
+same bits as the unfused MLP on the small-batch kernel.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from tests.test_gguf_codes import random_codes
 ops = load_linear_ops()
 fused = load_fused_ops()
 pytestmark = pytest.mark.skipif(ops is None or fused is None, reason="the C++ linear and fused ops are not built here")
-NO_AMX = pytest.mark.skipif(
-    ops is None or not ops.small_linear_silu_mul_supported(), reason="the fused gate_up needs AMX-BF16 (switched on)"
+NEEDS_KERNEL = pytest.mark.skipif(
+    ops is None or not ops.small_linear_silu_mul_supported(), reason="the fused gate_up needs AVX512-BF16"
 )
 
 
@@ -71,17 +72,18 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
     assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} differ, first at {diff.nonzero()[0].tolist()}"
 
 
-@pytest.fixture
-def amx_on() -> Iterator[None]:
-    before = set_amx(True)
+@pytest.fixture(params=[True, False], ids=["amx", "vdpbf16ps"])
+def amx(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The AMX tiles switched on (a no-op where the CPU has none) or off, so both kernels are checked on AMX hosts."""
+    before = set_amx(request.param)
     try:
         yield
     finally:
         set_amx(before)
 
 
-@NO_AMX
-@pytest.mark.usefixtures("amx_on")
+@NEEDS_KERNEL
+@pytest.mark.usefixtures("amx")
 @pytest.mark.parametrize("kind", ["dense", "q4_1", "q8_0"])
 @pytest.mark.parametrize("intermediate, k", [(16, 32), (48, 96), (1536, 576)])
 # 1-64 rows: the codes dequantized a tile step at a time (two passes past 32); 65 and up: dequantized panels
@@ -99,8 +101,8 @@ def test_bitwise_silu_and_mul_of_the_unfused_matmul(
     assert_same_bits(got, unfused(x, plain, intermediate, bias))
 
 
-@NO_AMX
-@pytest.mark.usefixtures("amx_on")
+@NEEDS_KERNEL
+@pytest.mark.usefixtures("amx")
 @pytest.mark.parametrize("kind", ["dense", "q4_1", "q8_0"])
 # 176 rows: 96 pairs of 36 KB panels, 4 chunks of 1 MB on one thread, 32-row passes; 40: a decode batch (on codes,
 # two passes over each pair, the first dequantizing a tile step at a time)
@@ -140,13 +142,9 @@ def test_bad_arguments_raise() -> None:
     plain, interleaved = packs("dense", 48, 96)
     x = torch.randn(4, 96).bfloat16()
     act = torch.empty(4, 48, dtype=torch.bfloat16)
-    before = set_amx(False)
-    try:
-        with pytest.raises(RuntimeError, match="needs AMX-BF16"):
-            ops.small_linear_silu_mul(act, x, interleaved, None)
-    finally:
-        set_amx(before)
     if not ops.small_linear_silu_mul_supported():
+        with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
+            ops.small_linear_silu_mul(act, x, interleaved, None)
         return
     with pytest.raises(RuntimeError, match="must be bfloat16"):
         ops.small_linear_silu_mul(act.float(), x.float(), interleaved, None)
@@ -174,13 +172,15 @@ def test_pack_declines_what_the_kernel_cannot_take() -> None:
     assert GateUpSiluMul.pack(ops, torch.randn(96, 48).bfloat16()) is None  # K = 48
     fused_gate_up = GateUpSiluMul.pack(ops, w)
     assert fused_gate_up is not None and fused_gate_up.intermediate == 48
-    before = set_amx(False)
-    try:
-        assert not fused_gate_up.takes(4096)
-    finally:
-        set_amx(before)
-    if ops.small_linear_silu_mul_supported():
-        assert fused_gate_up.takes(1) and fused_gate_up.takes(4096) and not fused_gate_up.takes(0)
+    supported = bool(ops.small_linear_silu_mul_supported())
+    for on in (True, False):  # AMX tiles: every batch; vdpbf16ps: prefill-sized ones (past 128 rows)
+        before = set_amx(on)
+        try:
+            tiles = supported and bool(ops.amx())
+            assert fused_gate_up.takes(1) == fused_gate_up.takes(128) == tiles and not fused_gate_up.takes(0)
+            assert fused_gate_up.takes(129) == fused_gate_up.takes(4096) == supported
+        finally:
+            set_amx(before)
 
 
 def bf16_llama(mlp_bias: bool) -> LlamaForCausalLM:
@@ -188,8 +188,8 @@ def bf16_llama(mlp_bias: bool) -> LlamaForCausalLM:
     return small_llama(torch.bfloat16, hidden=64, intermediate=96, heads=4, mlp_bias=mlp_bias)
 
 
-@NO_AMX
-@pytest.mark.usefixtures("amx_on")
+@NEEDS_KERNEL
+@pytest.mark.usefixtures("amx")
 @pytest.mark.parametrize("mlp_bias", [False, True], ids=["no-bias", "bias"])
 def test_a_bf16_mlp_runs_every_batch_fused_with_the_unfused_bits(mlp_bias: bool) -> None:
     model = bf16_llama(mlp_bias)
@@ -209,7 +209,8 @@ def test_a_bf16_mlp_runs_every_batch_fused_with_the_unfused_bits(mlp_bias: bool)
             original(act, *args)
 
     mlp.silu_mul = GateUpSiluMul(Spy(), mlp.silu_mul.packed, mlp.silu_mul.intermediate, mlp.silu_mul.bias)  # type: ignore[arg-type]
-    for rows in (1, 64, 65, 129, 700):  # decode rows (one and two passes a pair, then 65-128) and prefill rows
+    every = (1, 64, 65, 129, 700)
+    for rows in every:  # decode rows (one and two passes a pair, then 65-128) and prefill rows
         x = torch.randn(rows, 64).bfloat16()
         with torch.inference_mode():
             got = mlp.forward(x)
@@ -217,14 +218,7 @@ def test_a_bf16_mlp_runs_every_batch_fused_with_the_unfused_bits(mlp_bias: bool)
             fused.silu_and_mul(act, mlp.gate_up_proj.small(x))  # gate_up on the small-batch kernel at any rows
             want = mlp.down_proj.forward(act)
         assert_same_bits(got, want)
-    assert calls == [1, 64, 65, 129, 700]
-    before = set_amx(False)
-    try:
-        mlp.forward(torch.randn(700, 64).bfloat16())  # AMX off: the unfused path (oneDNN's gate_up)
-        mlp.forward(torch.randn(1, 64).bfloat16())  # and the small-batch kernel's
-    finally:
-        set_amx(before)
-    assert calls == [1, 64, 65, 129, 700]
+    assert calls == [rows for rows in every if rows > 128 or ops.amx()]  # vdpbf16ps: prefill-sized steps alone
 
 
 def test_int8_and_float32_models_keep_the_unfused_mlp() -> None:

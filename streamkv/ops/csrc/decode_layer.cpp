@@ -17,7 +17,7 @@
 //   x        = add_rms_norm(a W_o^T (+ b), residual)
 //   returns    down(silu_and_mul(x W_gate_up^T (+ b)))   the layer's output; the residual is updated in place
 //              (gate_up and SiLU-and-mul in one small_linear_silu_mul where the layer has its interleaved pack
-//              and the AMX kernel runs, as the MLP's forward takes it: bitwise the same act)
+//              and small_linear_silu_mul_takes the rows, as the MLP's forward takes it: bitwise the same act)
 
 #include <torch/extension.h>
 
@@ -79,7 +79,7 @@ at::Tensor decode_layer(const at::Tensor& h, at::Tensor residual, bool first, co
   at::Tensor x2 = at::empty_like(h);
   add_rms_norm(x2, o, residual, post_norm, post_eps);
   at::Tensor act = at::empty({tokens, intermediate}, h.options());
-  if (silu_mul_w.has_value() && small_linear_silu_mul_supported()) {
+  if (silu_mul_w.has_value() && small_linear_silu_mul_takes(x2.size(0))) {
     small_linear_silu_mul(act, x2, *silu_mul_w, silu_mul_bias);
   } else {
     const at::Tensor gate_up = linear(x2, gate_up_w, gate_up_scale, gate_up_bias, 2 * intermediate);

@@ -25,3 +25,4 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
 void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias);
 bool small_linear_silu_mul_supported();
+bool small_linear_silu_mul_takes(int64_t rows);

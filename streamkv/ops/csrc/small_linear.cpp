@@ -216,12 +216,12 @@ inline void column_pair_rows(int64_t rows, const T* x, int64_t x_stride, T* y, i
 constexpr int64_t SMALL_BATCH_MAX_ROWS = 128;
 constexpr int64_t PANEL_CHUNK_BYTES = 1 << 20;
 
-// x [m, K] @ the pairs' panels (k_steps x 128 bytes each, run()'s layout). panels(p0, p1, end) gives pair p0's
-// panel with those of pairs p0 + 1 .. p1 - 1 after it, read until its next call on the same thread (end: the end of
-// the thread's range, for asking for the codes that follow).
-template <typename T, typename Panels>
-void run_panel_chunks(int64_t m, const T* xp, int64_t x_stride, T* yp, int64_t y_stride, const float* bias,
-                      int64_t n, int64_t pairs, int64_t k_steps, const Panels& panels_of) {
+// The walk over m rows and the pairs' panels (k_steps x 128 bytes each, run()'s layout). panels(p0, p1, end) gives
+// pair p0's panel with those of pairs p0 + 1 .. p1 - 1 after it, read until its next call on the same thread (end:
+// the end of the thread's range, for asking for the codes that follow); pass(rows, m0, pair, panel) runs rows
+// [m0, m0 + rows) against one pair's panel.
+template <typename T, typename Panels, typename Pass>
+void walk_panel_chunks(int64_t m, int64_t pairs, int64_t k_steps, const Panels& panels_of, const Pass& pass) {
   const int64_t panel_elems = k_steps * 2 * 64 / static_cast<int64_t>(sizeof(T));
   const int64_t chunk = k_steps > 0 ? std::max<int64_t>(1, PANEL_CHUNK_BYTES / (k_steps * 2 * 64)) : pairs;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
@@ -229,13 +229,20 @@ void run_panel_chunks(int64_t m, const T* xp, int64_t x_stride, T* yp, int64_t y
       const int64_t p1 = std::min(end, p0 + chunk);
       const T* panels = panels_of(p0, p1, end);
       for (int64_t m0 = 0; m0 < m; m0 += FLOAT_ROWS)
-        for (int64_t pair = p0; pair < p1; ++pair) {
-          const int64_t col = pair * 2 * LANES;
-          column_pair_rows<T>(std::min<int64_t>(FLOAT_ROWS, m - m0), xp, x_stride, yp + col, y_stride,
-                              panels + (pair - p0) * panel_elems, bias ? bias + col : nullptr, m0, 0, n - col, k_steps,
-                              nullptr, 0);
-        }
+        for (int64_t pair = p0; pair < p1; ++pair)
+          pass(std::min<int64_t>(FLOAT_ROWS, m - m0), m0, pair, panels + (pair - p0) * panel_elems);
     }
+  });
+}
+
+// x [m, K] @ the pairs' panels into y (walk_panel_chunks).
+template <typename T, typename Panels>
+void run_panel_chunks(int64_t m, const T* xp, int64_t x_stride, T* yp, int64_t y_stride, const float* bias,
+                      int64_t n, int64_t pairs, int64_t k_steps, const Panels& panels_of) {
+  walk_panel_chunks<T>(m, pairs, k_steps, panels_of, [&](int64_t rows, int64_t m0, int64_t pair, const T* panel) {
+    const int64_t col = pair * 2 * LANES;
+    column_pair_rows<T>(rows, xp, x_stride, yp + col, y_stride, panel, bias ? bias + col : nullptr, m0, 0, n - col,
+                        k_steps, nullptr, 0);
   });
 }
 
@@ -981,6 +988,80 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
         column_pair_rows<at::BFloat16>(std::min(rows_per_pass, m - m0), xp, x.stride(0), yp + col, out.stride(0),
                                        reinterpret_cast<const at::BFloat16*>(panel), bias ? bias + col : nullptr,
                                        m0, 0, n - col, k / 2, nullptr, 0);
+    }
+  });
+}
+
+// small_linear_silu_mul on vdpbf16ps (a CPU with AVX512-BF16, no AMX or AMX switched off): every pass of run_gguf_bf16
+// (codes) or of run() (dense bf16) as they run, but into a [rows, 32] tile on the stack, which silu_mul_tile then
+// turns into the pass's 16 columns of act; the [M, 2I] gate_up never goes to memory. The tile holds g and u as
+// store_pair rounds them (the bias added in fp32, then bf16), so act is bitwise silu_and_mul(small_linear(x)), as on
+// AMX (run_silu_mul).
+inline void silu_mul_tile(const at::BFloat16* tile, int64_t rows, const float* table, at::BFloat16* act,
+                          int64_t act_stride, int64_t r0, int64_t pair) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256i g = _mm256_load_si256(reinterpret_cast<const __m256i*>(tile + r * 2 * LANES));
+    const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(tile + r * 2 * LANES + LANES));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + (r0 + r) * act_stride + pair * LANES),
+                        bf16_round16(streamkv::silu_mul16(g, u, table)));
+  }
+}
+
+// Layout: Q4_1Bf16 or Q8_0Bf16 for GGUF codes, void for a dense bf16 pack.
+template <typename Layout>
+void run_silu_mul_vnni(at::Tensor& act, const at::Tensor& x, const at::Tensor& packed, const float* bias) {
+  constexpr bool codes = !std::is_void_v<Layout>;
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(0), x_stride = x.stride(0);
+  if (m == 0) return;
+  const float* table = streamkv::bf16_silu_table();  // built here, before the parallel region
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  at::BFloat16* ap = act.data_ptr<at::BFloat16>();
+  const int64_t a_stride = act.stride(0);
+  const int64_t panel_elems = k * 2 * LANES;  // bf16 of a pair's panel
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
+  int64_t blocks = 0, pair_bytes = panel_elems * 2;
+  if constexpr (codes) blocks = packed.size(1), pair_bytes = blocks * Layout::BYTES;
+  // One pass of rows [m0, m0 + rows) against a pair's panel (bf16, run()'s layout), through the tile into act.
+  const auto panel_pass = [&](int64_t rows, int64_t m0, int64_t pair, const at::BFloat16* panel) {
+    alignas(64) at::BFloat16 tile[FLOAT_ROWS * 2 * LANES];
+    column_pair_rows<at::BFloat16>(rows, xp + m0 * x_stride, x_stride, tile, 2 * LANES, panel,
+                                   bias ? bias + pair * 2 * LANES : nullptr, 0, 0, 2 * LANES, k / 2, nullptr, 0);
+    silu_mul_tile(tile, rows, table, ap, a_stride, m0, pair);
+  };
+  if (m > SMALL_BATCH_MAX_ROWS) {
+    if constexpr (codes) {
+      walk_panel_chunks<at::BFloat16>(
+          m, pairs, k / 2,
+          dequantized_chunk<at::BFloat16>(wp, pair_bytes, panel_elems,
+                                          [blocks](const uint8_t* w, const uint8_t* next, at::BFloat16* panel) {
+                                            dequantize_pair_bf16<Layout>(w, blocks, next,
+                                                                         reinterpret_cast<uint16_t*>(panel));
+                                          }),
+          panel_pass);
+    } else {
+      const at::BFloat16* dense = packed.data_ptr<at::BFloat16>();
+      walk_panel_chunks<at::BFloat16>(
+          m, pairs, k / 2, [=](int64_t p0, int64_t, int64_t) { return dense + p0 * panel_elems; }, panel_pass);
+    }
+    return;
+  }
+  const int64_t passes = (m + FLOAT_ROWS - 1) / FLOAT_ROWS;
+  const int64_t rows_per_pass = (m + passes - 1) / passes;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    at::BFloat16* panel = codes && passes > 1 ? thread_scratch<at::BFloat16>(panel_elems) : nullptr;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const uint8_t* w = wp + pair * pair_bytes;
+      const at::BFloat16* from = codes ? panel : reinterpret_cast<const at::BFloat16*>(w);
+      int64_t m0 = 0;
+      if constexpr (codes) {  // the first pass dequantizes in registers and lays the panel out for the others
+        alignas(64) at::BFloat16 tile[FLOAT_ROWS * 2 * LANES];
+        column_pair_codes_bf16_rows<Layout>(rows_per_pass, xp, x_stride, tile, 2 * LANES, w,
+                                            bias ? bias + pair * 2 * LANES : nullptr, 2 * LANES, blocks,
+                                            reinterpret_cast<uint16_t*>(panel));
+        silu_mul_tile(tile, rows_per_pass, table, ap, a_stride, 0, pair);
+        m0 = rows_per_pass;
+      }
+      for (; m0 < m; m0 += rows_per_pass) panel_pass(std::min(rows_per_pass, m - m0), m0, pair, from);
     }
   });
 }
@@ -2052,9 +2133,26 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
 
 // Whether small_linear_silu_mul runs in this process: a build with AMX-BF16 and the tiles switched on (amx()).
 bool small_linear_silu_mul_supported() {
-#if defined(STREAMKV_AMX)
-  return amx_on();
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;  // AMX tiles while they are on (run_silu_mul), else vdpbf16ps (run_silu_mul_vnni)
 #else
+  return false;
+#endif
+}
+
+// Whether the MLP runs `rows` rows fused: any batch on AMX tiles; on vdpbf16ps, prefill-sized ones (past
+// SMALL_BATCH_MAX_ROWS) alone. There a 32 x 128-token bf16 prefill step took 2,495 -> 2,381 ms fused, but a decode
+// step at 32 rows 37.0 -> 39.1 ms: per pair, SiLU's table lookups between the passes pushed the panel out of the
+// cache, where unfused they run in their own pass (docs/benchmarks.md "Round 45"). Fused or not, act has the same
+// bits.
+bool small_linear_silu_mul_takes(int64_t rows) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(STREAMKV_AMX)
+  if (amx_on()) return rows >= 1;
+#endif
+  return rows > SMALL_BATCH_MAX_ROWS;
+#else
+  (void)rows;
   return false;
 #endif
 }
@@ -2066,8 +2164,8 @@ bool small_linear_silu_mul_supported() {
 // multiple of 16 and K of 32. Raises where small_linear_silu_mul_supported() is false.
 void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(small_linear_silu_mul_supported(), "small_linear_silu_mul needs AMX-BF16 tiles, switched on");
-#if defined(STREAMKV_AMX)  // the code layouts' constants exist on AVX512-BF16 builds only; the check above raised
+  TORCH_CHECK(small_linear_silu_mul_supported(), "small_linear_silu_mul needs AVX512-BF16");
+#if defined(__AVX512F__) && defined(__AVX512BF16__)  // the code layouts' constants exist there only; the check raised
   TORCH_CHECK(x.is_cpu() && act.is_cpu() && packed.is_cpu() && (!bias.has_value() || bias->is_cpu()),
               "small_linear_silu_mul takes CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && act.scalar_type() == at::kBFloat16, "x and act must be bfloat16");
@@ -2086,7 +2184,16 @@ void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor
               "packed must come from pack_small_linear (bfloat16) or pack_small_linear_q4_1 / _q8_0 with bf16=True, "
               "for K = ", k);
   const at::Tensor b32 = bias_f32(bias, n);
-  run_silu_mul(act, x, packed, b32.defined() ? b32.data_ptr<float>() : nullptr);
+  const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
+#if defined(STREAMKV_AMX)
+  if (amx_on()) return run_silu_mul(act, x, packed, b);
+#endif
+  if (dense)
+    run_silu_mul_vnni<void>(act, x, packed, b);
+  else if (packed.size(2) == Q4_1_BF16_LINES)
+    run_silu_mul_vnni<Q4_1Bf16>(act, x, packed, b);
+  else
+    run_silu_mul_vnni<Q8_0Bf16>(act, x, packed, b);
 #endif
 }
 
@@ -2115,7 +2222,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pack GGUF Q8_0 codes [N, K] int8 with their float16 d [N, K/32] for small_linear (float32 x, or bf16)",
         py::arg("codes"), py::arg("d"), py::arg("bf16") = false);
   m.def("small_linear_silu_mul_supported", &small_linear_silu_mul_supported,
-        "whether small_linear_silu_mul runs in this process (AMX-BF16, switched on)");
+        "whether small_linear_silu_mul runs in this build (AVX512-BF16: AMX tiles while on, else vdpbf16ps)");
+  m.def("small_linear_silu_mul_takes", &small_linear_silu_mul_takes,
+        "whether the MLP runs this many rows through small_linear_silu_mul (any on AMX, > 128 on vdpbf16ps)",
+        py::arg("rows"));
   m.def("small_linear_silu_mul", &small_linear_silu_mul,
         "act = silu(x W_gate^T + b_gate) * (x W_up^T + b_up) in bf16, W = gate_up with rows interleaved 16 at a "
         "time, packed, and the bias [2I] in the same order",
