@@ -200,6 +200,7 @@ def _build(
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
+    cached = (folder / f"{name}.so").exists()  # else this call compiles it (minutes on 2 cores)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with _build_lock(folder):
@@ -214,7 +215,8 @@ def _build(
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a compile error: all mean "use torch ops"
         logger.warning("streamkv CPU ops %s unavailable (%s: %s); using %s", name, type(exc).__name__, exc, fallback)
         return None
-    logger.info("streamkv CPU ops %s loaded from %s in %.1f s", name, folder, time.perf_counter() - start)
+    how = "loaded" if cached else "compiled and loaded"
+    logger.info("streamkv CPU ops %s %s from %s in %.1f s", name, how, folder, time.perf_counter() - start)
     return module
 
 
