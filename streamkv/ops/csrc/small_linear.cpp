@@ -992,9 +992,9 @@ void run_gguf_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   });
 }
 
-// small_linear_silu_mul on vdpbf16ps (a CPU with AVX512-BF16, no AMX or AMX switched off): every pass of run_gguf_bf16
-// (codes) or of run() (dense bf16) as they run, but into a [rows, 32] tile on the stack, which silu_mul_tile then
-// turns into the pass's 16 columns of act; the [M, 2I] gate_up never goes to memory. The tile holds g and u as
+// small_linear_silu_mul on vdpbf16ps (a CPU with AVX512-BF16, no AMX or AMX switched off): the chunk walk of
+// run_gguf_bf16 (codes) or run() (dense bf16) past 128 rows, each pass into a [rows, 32] tile on the stack, which
+// silu_mul_tile then turns into the pass's 16 columns of act; the [M, 2I] gate_up never goes to memory. The tile holds g and u as
 // store_pair rounds them (the bias added in fp32, then bf16), so act is bitwise silu_and_mul(small_linear(x)), as on
 // AMX (run_silu_mul).
 inline void silu_mul_tile(const at::BFloat16* tile, int64_t rows, const float* table, at::BFloat16* act,
@@ -1028,42 +1028,22 @@ void run_silu_mul_vnni(at::Tensor& act, const at::Tensor& x, const at::Tensor& p
                                    bias ? bias + pair * 2 * LANES : nullptr, 0, 0, 2 * LANES, k / 2, nullptr, 0);
     silu_mul_tile(tile, rows, table, ap, a_stride, m0, pair);
   };
-  if (m > SMALL_BATCH_MAX_ROWS) {
-    if constexpr (codes) {
-      walk_panel_chunks<at::BFloat16>(
-          m, pairs, k / 2,
-          dequantized_chunk<at::BFloat16>(wp, pair_bytes, panel_elems,
-                                          [blocks](const uint8_t* w, const uint8_t* next, at::BFloat16* panel) {
-                                            dequantize_pair_bf16<Layout>(w, blocks, next,
-                                                                         reinterpret_cast<uint16_t*>(panel));
-                                          }),
-          panel_pass);
-    } else {
-      const at::BFloat16* dense = packed.data_ptr<at::BFloat16>();
-      walk_panel_chunks<at::BFloat16>(
-          m, pairs, k / 2, [=](int64_t p0, int64_t, int64_t) { return dense + p0 * panel_elems; }, panel_pass);
-    }
-    return;
+  // Every row count takes the chunk walk: the MLP sends this path prefill-sized steps alone
+  // (small_linear_silu_mul_takes), and a row's bits do not depend on the walk.
+  if constexpr (codes) {
+    walk_panel_chunks<at::BFloat16>(
+        m, pairs, k / 2,
+        dequantized_chunk<at::BFloat16>(wp, pair_bytes, panel_elems,
+                                        [blocks](const uint8_t* w, const uint8_t* next, at::BFloat16* panel) {
+                                          dequantize_pair_bf16<Layout>(w, blocks, next,
+                                                                       reinterpret_cast<uint16_t*>(panel));
+                                        }),
+        panel_pass);
+  } else {
+    const at::BFloat16* dense = packed.data_ptr<at::BFloat16>();
+    walk_panel_chunks<at::BFloat16>(
+        m, pairs, k / 2, [=](int64_t p0, int64_t, int64_t) { return dense + p0 * panel_elems; }, panel_pass);
   }
-  const int64_t passes = (m + FLOAT_ROWS - 1) / FLOAT_ROWS;
-  const int64_t rows_per_pass = (m + passes - 1) / passes;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    at::BFloat16* panel = codes && passes > 1 ? thread_scratch<at::BFloat16>(panel_elems) : nullptr;
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const uint8_t* w = wp + pair * pair_bytes;
-      const at::BFloat16* from = codes ? panel : reinterpret_cast<const at::BFloat16*>(w);
-      int64_t m0 = 0;
-      if constexpr (codes) {  // the first pass dequantizes in registers and lays the panel out for the others
-        alignas(64) at::BFloat16 tile[FLOAT_ROWS * 2 * LANES];
-        column_pair_codes_bf16_rows<Layout>(rows_per_pass, xp, x_stride, tile, 2 * LANES, w,
-                                            bias ? bias + pair * 2 * LANES : nullptr, 2 * LANES, blocks,
-                                            reinterpret_cast<uint16_t*>(panel));
-        silu_mul_tile(tile, rows_per_pass, table, ap, a_stride, 0, pair);
-        m0 = rows_per_pass;
-      }
-      for (; m0 < m; m0 += rows_per_pass) panel_pass(std::min(rows_per_pass, m - m0), m0, pair, from);
-    }
-  });
 }
 #endif
 
