@@ -281,7 +281,7 @@ class EngineRun:
 def run_engine(llm: Any, workload: Workload, *, greedy: bool = True) -> EngineRun:
     """Submit every request at once and step the engine to completion, timing each step.
 
-    The runner's ``execute`` is wrapped on this instance (nothing in ``streamkv``
+    The runner's ``forward`` is wrapped on this instance (nothing in ``streamkv``
     changes) to see each step's batch shape; the wrapper costs ~1 us per step.
     """
     from streamkv.sampling_params import SamplingParams
@@ -289,9 +289,9 @@ def run_engine(llm: Any, workload: Workload, *, greedy: bool = True) -> EngineRu
     core = llm.core
     runner = core.runner
     shapes: list[tuple[int, int, bool]] = []
-    original = runner.execute
+    original = runner.forward
 
-    def execute(out: Any) -> Any:
+    def forward(out: Any) -> Any:
         n = out.num_batched_tokens
         shapes.append((n, len(out.scheduled), n == len(out.scheduled)))
         return original(out)
@@ -308,7 +308,7 @@ def run_engine(llm: Any, workload: Workload, *, greedy: bool = True) -> EngineRu
 
         return sink
 
-    runner.execute = execute
+    runner.forward = forward
     steps: list[StepRecord] = []
     try:
         t0 = time.perf_counter()
@@ -325,7 +325,7 @@ def run_engine(llm: Any, workload: Workload, *, greedy: bool = True) -> EngineRu
                 steps.append(StepRecord(dt, n, b, pure))
         wall = time.perf_counter() - t0
     finally:
-        del runner.execute  # back to the class's method
+        del runner.forward  # back to the class's method
     return EngineRun(
         wall_s=wall,
         output_tokens=sum(len(o) for o in outputs),

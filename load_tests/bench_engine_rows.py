@@ -124,6 +124,7 @@ def stage_timers(llm: Any) -> Iterator[dict[str, float]]:
             patch(module, "forward", "linear")
     patch(core.runner.backend, "forward", "attention")
     patch(model, "compute_logits", "lm_head")
+    patch(model, "greedy_tokens", "lm_head")  # a greedy step's LM head (GreedyHead), when it takes the rows
     patch(model, "forward", "model_forward")
     patch(core, "step", "step")
     sampler_home = sys.modules.get(type(core).__module__)
@@ -143,16 +144,16 @@ def breakdown(llm: Any, workload: Any) -> dict[str, float]:
     core = llm.core
     decode_totals: dict[str, float] = defaultdict(float)
     steps = 0
-    original_execute = core.runner.execute
+    original_forward = core.runner.forward
     with stage_timers(llm) as totals:
         state: dict[str, Any] = {}
 
-        def execute(out: Any) -> Any:
+        def forward(out: Any) -> Any:
             state["pure"] = out.num_batched_tokens == len(out.scheduled) and len(out.scheduled) == workload.num_requests
             state["before"] = dict(totals)
-            return original_execute(out)
+            return original_forward(out)
 
-        core.runner.execute = execute
+        core.runner.forward = forward
         from streamkv.sampling_params import SamplingParams
 
         sinks: list[Any] = []
@@ -167,7 +168,7 @@ def breakdown(llm: Any, workload: Any) -> dict[str, float]:
                 steps += 1
                 for k, v in totals.items():
                     decode_totals[k] += v - before_step.get(k, 0.0)
-        del core.runner.execute
+        del core.runner.forward
     if not steps:
         return {}
     per = {k: v / steps * 1e3 for k, v in decode_totals.items()}

@@ -6,9 +6,10 @@
    attention, no norms, no Python around them but the loop). Timed up to
    three ways: plain ``F.linear`` on the dense weights (MKL; fp32 only),
    oneDNN's prepacked ``_linear_pointwise`` (fp32 and bf16), and each
-   projection's own ``Linear.forward`` plus ``compute_logits`` (the kernel the
-   engine picks for that batch: the small-batch kernel, the int8 kernel, or
-   oneDNN). The fastest is the ceiling for the dtype: ``batch / seconds per
+   projection's own ``Linear.forward`` plus the LM head as a greedy step runs
+   it (the kernel the engine picks for that batch: the small-batch kernel, the
+   int8 kernel, or oneDNN; a float32 model's head is its greedy head where that
+   takes the rows, ``streamkv/model/greedy_head.py``). The fastest is the ceiling for the dtype: ``batch / seconds per
    step`` tokens/s. ``--dtype`` / ``--quantization`` choose the model.
 2. Engine. ``batch`` requests of ``--context`` random tokens go in at once;
    after their prefill, ``--warmup-steps`` decode steps are skipped and
@@ -37,6 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +111,14 @@ def engine_matmuls(model: Any) -> list[tuple[Callable[[torch.Tensor], torch.Tens
         for name in PROJECTIONS:
             m = layer.get_submodule(name)
             calls.append((m.forward, m.in_features))
-    calls.append((lambda h: model.compute_logits(h, widen=False), model.config.hidden_size))  # as the runner does
+    calls.append((partial(lm_head, model), model.config.hidden_size))
     return calls
+
+
+def lm_head(model: Any, h: torch.Tensor) -> torch.Tensor:
+    """A greedy decode step's LM head as the runner runs it: the greedy head (``GreedyHead``, a float32 model's
+    bf16 estimate and exact candidates) where it takes the rows, else the logits."""
+    return model.compute_logits(h, widen=False) if model.greedy_tokens(h) is None else h
 
 
 @torch.inference_mode()

@@ -49,13 +49,13 @@ class DecodeHarness:
         for i, prompt in enumerate(make_prompts([context] * batch, seed, vocab)):
             self.core.add_request(f"limit-{batch}-{i}", prompt, params, lambda out: None)
         self.shapes: list[tuple[int, int]] = []
-        original = self.core.runner.execute
+        original = self.core.runner.forward
 
-        def execute(out: Any) -> Any:
+        def forward(out: Any) -> Any:
             self.shapes.append((out.num_batched_tokens, len(out.scheduled)))
             return original(out)
 
-        self.core.runner.execute = execute
+        self.core.runner.forward = forward
         # prefill, until one step decodes every sequence
         while True:
             self.core.step()
@@ -131,10 +131,13 @@ def instrument(h: DecodeHarness, timers: Timers) -> list[tuple[Any, str, Any]]:
     p: list[tuple[Any, str, Any]] = [
         (core.scheduler, "schedule", w("scheduler.schedule", core.scheduler.schedule)),
         (core.scheduler, "update", w("scheduler.update", core.scheduler.update)),
-        (runner, "execute", w("runner.execute (total)", runner.execute)),
+        (runner, "forward", w("runner (forward and LM head)", runner.forward)),
+        (runner, "logits", w("runner (forward and LM head)", runner.logits)),
+        (runner, "greedy_tokens", w("runner (forward and LM head)", runner.greedy_tokens)),
         (AttentionMetadata, "build", classmethod(w("  AttentionMetadata.build", build))),
         (model, "forward", w("  model forward (total)", model.forward)),
         (model, "compute_logits", w("  compute_logits (LM head)", model.compute_logits)),
+        (model, "greedy_tokens", w("  greedy head (LM head, greedy steps)", model.greedy_tokens)),
         (core.backend, "forward", w("    attention (total)", core.backend.forward)),
         (torch_paged, "_decode", w("      paged decode (gather+bmm)", torch_paged._decode)),
         (llama, "apply_rope", w("    rope", llama.apply_rope)),  # the torch ops' RoPE; the fused op is in "rest"
@@ -191,13 +194,11 @@ def step_breakdown(loaded: Any, batch: int, context: int, steps: int, seed: int)
         lin + attn + ms.get("    rmsnorm", 0.0) + ms.get("    rope", 0.0) + ms["    activation (silu*up, split)"]
     )
     ms["    rest of forward (embedding, views, rope index; fused RoPE)"] = max(0.0, fwd - accounted)
-    ex = ms.get("runner.execute (total)", 0.0)
-    ms["  input tensors, row gather"] = max(
-        0.0, ex - ms.get("  AttentionMetadata.build", 0.0) - fwd - ms.get("  compute_logits (LM head)", 0.0)
-    )
+    ex = ms.get("runner (forward and LM head)", 0.0)
+    ms["  input tensors, row gather"] = max(0.0, ex - ms.get("  AttentionMetadata.build", 0.0) - fwd - lm_head(ms))
     app = ms.get("append_token (total)", 0.0)
     ms["  rest of append_token (bookkeeping)"] = max(0.0, app - ms.get("  detokenizer.add_token", 0.0))
-    top = ["scheduler.schedule", "runner.execute (total)", "scheduler.update", "sample_batch",
+    top = ["scheduler.schedule", "runner (forward and LM head)", "scheduler.update", "sample_batch",
            "append_token (total)", "emit outputs"]  # fmt: skip
     ms["step loop rest (deltas dict, row list, counters)"] = max(0.0, step_ms - sum(ms.get(k, 0.0) for k in top))
     return {
@@ -212,9 +213,14 @@ def step_breakdown(loaded: Any, batch: int, context: int, steps: int, seed: int)
     }
 
 
+def lm_head(ms: dict[str, float]) -> float:
+    """ms of the step's LM head: the logits, or a greedy step's greedy head (``GreedyHead``)."""
+    return ms.get("  compute_logits (LM head)", 0.0) + ms.get("  greedy head (LM head, greedy steps)", 0.0)
+
+
 ORDER = [
     "scheduler.schedule",
-    "runner.execute (total)",
+    "runner (forward and LM head)",
     "  AttentionMetadata.build",
     "  input tensors, row gather",
     "  model forward (total)",
@@ -232,6 +238,7 @@ ORDER = [
     "    activation (silu*up, split)",
     "    rest of forward (embedding, views, rope index; fused RoPE)",
     "  compute_logits (LM head)",
+    "  greedy head (LM head, greedy steps)",
     "scheduler.update",
     "sample_batch",
     "append_token (total)",
@@ -244,7 +251,7 @@ ORDER = [
 
 def print_breakdown(bd: dict) -> None:
     step = bd["step_ms_instrumented"]
-    matmul = bd["ms"].get("    linear (all projections)", 0.0) + bd["ms"].get("  compute_logits (LM head)", 0.0)
+    matmul = bd["ms"].get("    linear (all projections)", 0.0) + lm_head(bd["ms"])
     print(
         f"--- one decode step at batch {bd['batch']} (context ~{bd['context']}): "
         f"{bd['step_ms_plain']:.2f} ms plain, {step:.2f} ms instrumented (wrapper overhead included)"

@@ -36,7 +36,7 @@ from streamkv.runner import (
 )
 from streamkv.sampling import apply_min_tokens, compute_logprobs, sample_batch
 from streamkv.sampling_params import SamplingParams
-from streamkv.sched.output import SchedulerOutput
+from streamkv.sched.output import ScheduledSeq, SchedulerOutput
 from streamkv.sched.request import Request, SeqStatus, Sequence
 from streamkv.sched.scheduler import Scheduler
 from streamkv.stats import EngineStats, snapshot_json
@@ -262,9 +262,15 @@ class EngineCore:
                 self._observe_progress(0)
             return False
         spilled = self.offload.read_spills(out.spills)  # before the step's copies reuse their host blocks
-        logits = self.runner.execute(out)
+        hidden = self.runner.forward(out)
         self.offload.write_spills(out.spills, spilled)
         sampling = self.scheduler.update(out)
+        greedy = self.runner.greedy_tokens(hidden) if all(map(_plain_greedy, sampling)) else None
+        if greedy is not None:  # every row's token without the logits (GreedyHead): no beams, forks or logprobs
+            self.outputs.process([s.seq for s in sampling], greedy, time.monotonic(), None)
+            self._finish_step(t0, out)
+            return True
+        logits = self.runner.logits(hidden)
         seqs: list[Sequence] = []  # the sequences that sample, and the logits row each reads
         row_ids: list[int] = []
         for row, s in self.beams.take(sampling, logits, time.monotonic()):  # beam rows step their search
@@ -288,12 +294,15 @@ class EngineCore:
             tokens = sample_batch(masked, params, self.outputs.generators(seqs), self.loaded.model.fused_ops)
             logprobs = compute_logprobs(logits, tokens, params)
         self.outputs.process(seqs, tokens, time.monotonic(), logprobs)
+        self._finish_step(t0, out)
+        return True
+
+    def _finish_step(self, t0: float, out: SchedulerOutput) -> None:
         self.num_steps += 1
         if self.metrics is not None:
             self.metrics.observe_step(time.perf_counter() - t0, out.num_batched_tokens)
         self._observe_progress(out.num_batched_tokens)
         self.publish_stats()
-        return True
 
     def thread_governor(self, threads: int) -> ThreadGovernor | None:
         """A governor of the calling thread's torch threads (``EngineConfig.adaptive_threads``), or ``None`` when off.
@@ -352,3 +361,11 @@ class EngineCore:
             self.scheduler.stats(), self.kv.stats(self.offload.stats()), self.outputs.stats(), turns,
             self.runner.kv_format.name, self.runner.kv_bytes_per_token,
         )  # fmt: skip
+
+
+def _plain_greedy(s: ScheduledSeq) -> bool:
+    """Whether the entry's token is the argmax of its raw logits and nothing else reads them: greedy, one sample,
+    no beams, no logprobs, no ``min_tokens`` ban left (:meth:`ModelRunner.greedy_tokens` may serve it)."""
+    p = s.seq.request.params
+    return (p.greedy and p.n == 1 and p.beam_width is None and p.logprobs is None
+            and s.seq.num_output_tokens >= p.min_tokens)  # fmt: skip

@@ -112,14 +112,38 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return gather_blocks(self.device_tier, block_ids)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Apply the step's block copies, run the forward, return logits.
+        """Apply the step's block copies, run the forward, return logits (:meth:`forward`, then :meth:`logits`).
 
         Returns:
             ``[num_sampling, vocab]`` in the model's dtype (float32 or bfloat16, not
             widened: see ``compute_logits``): one row per scheduled sequence whose
             ``samples`` is set, in scheduling order.
+        """
+        return self.logits(self.forward(out))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward`'s rows -> their logits ``[num_sampling, vocab]`` (see :meth:`execute`)."""
+        if hidden.numel() == 0:
+            return torch.empty(0, 0)
+        return self.model.compute_logits(hidden, widen=False)
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """:meth:`forward`'s rows -> their greedy tokens, bitwise the argmax of :meth:`logits`, or ``None`` where the
+        model computes them only from the logits (``LlamaForCausalLM.greedy_tokens``)."""
+        if hidden.numel() == 0:
+            return None
+        return self.model.greedy_tokens(hidden)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """Apply the step's block copies and run the forward.
+
+        Returns:
+            the final hidden rows ``[num_sampling, H]`` (model dtype) of the scheduled sequences whose
+            ``samples`` is set, in scheduling order; empty when none samples.
         """
         self._apply_copies(out)
         if not out.scheduled:
@@ -152,7 +176,7 @@ class ModelRunner:
             return torch.empty(0, 0)
         if output_rows is None:
             hidden = hidden[torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sampling], device=self.device)]
-        return self.model.compute_logits(hidden, widen=False)
+        return hidden
 
     def _apply_copies(self, out: SchedulerOutput) -> None:
         stream = self._copy_stream

@@ -38,6 +38,7 @@ from torch import nn
 from streamkv.attention.backend import AttentionBackend
 from streamkv.attention.metadata import AttentionMetadata, OutputRows
 from streamkv.model.decode_layers import DecodeLayers
+from streamkv.model.greedy_head import GreedyHead
 from streamkv.model.linear import (
     Linear,
     SmallMatmul,
@@ -154,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.packed_lm_head: torch.Tensor | None = None
         self.small_lm_head: SmallMatmul | None = None
+        # A float32 head's greedy tokens from its bf16 estimate (prepack_cpu_weights; greedy_tokens).
+        self.greedy_head: GreedyHead | None = None
         # The fused C++ ops while in use (use_fused_ops); the engine's greedy sampling takes their argmax too.
         self.fused_ops: ModuleType | None = None
         self.max_positions = max_positions or config.max_position_embeddings
@@ -228,6 +231,16 @@ class LlamaForCausalLM(nn.Module):
             weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head
             logits = F.linear(hidden, weight)
         return logits.float() if widen else logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """``hidden [N, H]`` -> ``argmax`` of each row's float32 logits, bitwise those of :meth:`compute_logits`,
+        without computing most of them (:class:`~streamkv.model.greedy_head.GreedyHead`); ``None`` where that
+        head does not run (not a float32 CPU model with the bf16 kernel, ``N`` outside its rows, a non-finite row):
+        compute the logits then."""
+        head = self.greedy_head
+        if head is None or not head.takes(hidden.shape[0]):
+            return None
+        return head(hidden)
 
     def use_fused_ops(self, ops: ModuleType | None, decode_ops: ModuleType | None = None) -> bool:
         """Run RMSNorm (with its residual add), SiLU-and-mul and RoPE on ``ops`` (the fused C++ extension).
@@ -325,6 +338,9 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack(batch_size_hint, small_ops, int8=int8, codes=gguf.get(name))
         self.packed_lm_head = packed_head
         self.small_lm_head = small_head
+        self.greedy_head = None
+        if int8_head is None and head.dtype == torch.float32:
+            self.greedy_head = GreedyHead.build(small_ops, head, small_head, gguf.get("lm_head"))
         if self.lm_head is not None:
             self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
         return True

@@ -26,3 +26,7 @@ void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor
                            const c10::optional<at::Tensor>& bias);
 bool small_linear_silu_mul_supported();
 bool small_linear_silu_mul_takes(int64_t rows);
+
+// greedy_head.cpp
+int64_t greedy_head(at::Tensor tokens, const at::Tensor& x, const at::Tensor& approx, const at::Tensor& packed,
+                    const at::Tensor& row_norms);

@@ -2210,6 +2210,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "act = silu(x W_gate^T + b_gate) * (x W_up^T + b_up) in bf16, W = gate_up with rows interleaved 16 at a "
         "time, packed, and the bias [2I] in the same order",
         py::arg("act"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+  m.def("greedy_head", &greedy_head,
+        "tokens = argmax of x W^T (fp32 W as small_linear's Q8_0 or fp32 pack) from approx, its bf16 estimate, "
+        "computing exactly only the logits its error bound cannot rule out (greedy_head.cpp); -1 where a row "
+        "needs the full head; returns the number computed",
+        py::arg("tokens"), py::arg("x"), py::arg("approx"), py::arg("packed"), py::arg("row_norms"));
   m.def("pack_small_linear_int8", &pack_small_linear_int8, "pack an int8 [N, K] weight for small_linear_int8");
   m.def("small_linear_int8", &small_linear_int8,
         "out = (x @ q^T) * scale (+ bias) for few rows, q packed int8 (CPU, fp32/bf16 x)", py::arg("out"),
