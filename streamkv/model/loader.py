@@ -33,6 +33,7 @@ from streamkv.config import ModelConfig
 from streamkv.gc_control import gc_paused
 from streamkv.model.gguf_cache import GGUFCache
 from streamkv.model.gguf_codes import GGUFTensor, gguf_tensor_table
+from streamkv.model.greedy_head import GREEDY_HEAD_MAX_ROWS, GREEDY_HEAD_MIN_ROWS
 from streamkv.model.linear import GGUF_F32_AMX_MIN_ROWS, Linear, has_gguf_kernel, has_int8_kernel
 from streamkv.model.llama import FUSED_DTYPES, MLP, DecoderLayer, LlamaConfig, LlamaForCausalLM
 from streamkv.model.precision import emulated_bf16_warning, resolve_dtype
@@ -328,6 +329,10 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) 
         fused_mib = sum(f.nbytes for f in fused_gate_up) / 2**20
         steps = "every step" if on_amx else "prefill steps past 128 rows"
         where += f"; gate_up with SiLU-and-mul in its epilogue in {steps} ({fused_mib:.0f} MiB more)"
+    if model.greedy_head is not None:
+        rows = f"{GREEDY_HEAD_MIN_ROWS}-{GREEDY_HEAD_MAX_ROWS}"
+        where += (f"; greedy steps of {rows} rows take the LM head's tokens from its bf16 estimate and exact fp32 "
+                  f"candidates ({model.greedy_head.estimate.nbytes / 2**20:.0f} MiB more)")  # fmt: skip
     logger.info("every matmul on the small-batch linear kernel, at every batch size (no oneDNN copy)%s: %.0f MiB of "
                 "weights packed for it", where, mib)  # fmt: skip
 
