@@ -333,8 +333,8 @@ def _log_small_matmuls(model: LlamaForCausalLM, int8: bool, dtype: torch.dtype) 
         rows = f"{GREEDY_HEAD_MIN_ROWS}-{GREEDY_HEAD_MAX_ROWS}"
         where += (f"; greedy steps of {rows} rows take the LM head's tokens from its bf16 estimate and exact fp32 "
                   f"candidates ({model.greedy_head.estimate.nbytes / 2**20:.0f} MiB more)")  # fmt: skip
-    logger.info("every matmul on the small-batch linear kernel, at every batch size (no oneDNN copy)%s: %.0f MiB of "
-                "weights packed for it", where, mib)  # fmt: skip
+    logger.info("every matmul on the small-batch linear kernel, at every batch size (%.0f MiB of weights packed for "
+                "it, no oneDNN copy)%s", mib, where)  # fmt: skip
 
 
 @torch.no_grad()
