@@ -134,7 +134,7 @@ int64_t greedy_head(at::Tensor tokens, const at::Tensor& x, const at::Tensor& ap
         const __m512 mag = _mm512_abs_ps(av);
         const __m512 b = _mm512_add_ps(_mm512_fmadd_ps(c1v, _mm512_loadu_ps(wn + v), _mm512_mul_ps(c2v, mag)), c3v);
         lo = _mm512_max_ps(lo, _mm512_sub_ps(av, b));
-        big = _mm512_max_ps(big, mag);  // NaN lanes keep big's value: caught below by the unordered compare
+        big = _mm512_max_ps(big, mag);  // an inf shows here; a NaN (which max may or may not pass on) just below
         finite &= _mm512_cmp_ps_mask(av, av, _CMP_UNORD_Q) == 0;
       }
       lower = _mm512_reduce_max_ps(lo);
