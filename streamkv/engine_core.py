@@ -265,7 +265,8 @@ class EngineCore:
         hidden = self.runner.forward(out)
         self.offload.write_spills(out.spills, spilled)
         sampling = self.scheduler.update(out)
-        greedy = self.runner.greedy_tokens(hidden) if all(map(_plain_greedy, sampling)) else None
+        plain = self.loaded.model.greedy_head is not None and all(map(_plain_greedy, sampling))  # no loop without one
+        greedy = self.runner.greedy_tokens(hidden) if plain else None
         if greedy is not None:  # every row's token without the logits (GreedyHead): no beams, forks or logprobs
             self.outputs.process([s.seq for s in sampling], greedy, time.monotonic(), None)
             self._finish_step(t0, out)

@@ -24,8 +24,8 @@ from types import ModuleType
 
 import torch
 
-from streamkv.model.gguf_codes import Q8_0Codes
-from streamkv.model.linear import SmallMatmul, has_gguf_kernel
+from streamkv.model.gguf_codes import GGUFCodes
+from streamkv.model.linear import SmallMatmul
 
 # Rows the estimate runs from. SmolLM2's head and argmax, fp32 against this head (best of 20, the same run): 1 row
 # 0.78 / 0.76 ms (level: one row streams the weight either way), 2 rows 1.03 / 0.88, 4 rows 1.56 / 1.07, 8 rows
@@ -55,7 +55,7 @@ class GreedyHead:
 
     @classmethod
     def build(
-        cls, ops: ModuleType | None, weight: torch.Tensor, head: SmallMatmul | None, codes: object | None = None
+        cls, ops: ModuleType | None, weight: torch.Tensor, head: SmallMatmul | None, codes: GGUFCodes | None = None
     ) -> GreedyHead | None:
         """The greedy head of float32 ``weight [V, K]`` run by ``head``; ``None`` where it cannot serve.
 
@@ -76,11 +76,8 @@ class GreedyHead:
             return None
         if not bool(weight.detach().abs().max() < 2**16):  # the bound's flush-to-zero term assumes |W| < 2^16
             return None
-        bf16 = weight.detach().to(torch.bfloat16)
-        if isinstance(codes, Q8_0Codes) and has_gguf_kernel(ops, torch.bfloat16):
-            estimate = SmallMatmul.pack(ops, bf16, codes=codes)  # 0.53 of the dense bf16 bytes
-        else:
-            estimate = SmallMatmul.pack(ops, bf16)
+        # From the codes where the bf16 GGUF kernel runs them (0.53 of the dense bf16 bytes), else the dense weight.
+        estimate = SmallMatmul.pack(ops, weight.detach().to(torch.bfloat16), codes=codes)
         norms = weight.detach().double().norm(dim=1)
         up = norms.float()
         up = torch.where(up.double() < norms, torch.nextafter(up, torch.full_like(up, float("inf"))), up)
