@@ -327,7 +327,10 @@ class LlamaForCausalLM(nn.Module):
                     packed_head = pack_linear_weight(dense_head, batch_size_hint)
                 except RuntimeError:
                     return False
-        if small_ops is not None and not int8 and small_ops.small_linear_silu_mul_supported():
+        f32 = head.dtype == torch.float32  # fp32's fused gate_up runs without AMX alone (small_linear_silu_mul_takes)
+        if small_ops is not None and not int8 and small_ops.small_linear_silu_mul_supported(f32=f32) and not (
+            f32 and small_ops.amx()
+        ):  # fmt: skip
             for name, module in self.named_modules():  # before the Linear prepack drops the dense weights
                 if isinstance(module, MLP):
                     gate_up = module.gate_up_proj
@@ -479,11 +482,15 @@ class Attention(nn.Module):
 # (docs/benchmarks.md, "MLP slices in long prefill steps"). Rows are independent, and one kernel takes every batch size
 # (streamkv/model/linear.py), so a slice gives its rows the same bits as the whole step
 # (fp32 on an AMX host to the last bits' level: calls of 129+ rows of the GGUF codes run on tiles).
+# Since round 47 this is the fp32 MLP's slice only where its gate_up runs unfused (an AMX host, an AVX2 build).
 MLP_SLICE_ROWS = 1024
 # bf16 (and fp16) steps slice at 4,096 rows: oneDNN's AMX matmul runs down_proj's [rows, 1536] x [1536, 576] on one
 # of two threads at 512-1,024 rows (1.18 ms at 1,024 rows, 2.30 at 4,096 on both), and a 32 x 128-token bf16
 # prefill took 0.614 s in slices of 1,024, 0.549 in 2,048 and 0.538 in 4,096 (docs/benchmarks.md, "Round 16").
-MLP_SLICE_ROWS_16BIT = 4096
+# So does an fp32 step whose gate_up has SiLU-and-mul in its epilogue (GateUpSiluMul: no [rows, 2 I] output to
+# leave the cache): 30 layers' MLP at 4,096 rows took 3,483 ms in unfused 1,024-row slices, 3,364 fused in 1,024-row
+# slices and 3,228 fused in 4,096 (medians of 6 taking turns; docs/benchmarks.md, "Round 47").
+MLP_SLICE_ROWS_WIDE = 4096
 
 
 class MLP(nn.Module):
@@ -499,9 +506,10 @@ class MLP(nn.Module):
         self.silu_mul: GateUpSiluMul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``; on the CPU a long step runs in slices of ``MLP_SLICE_ROWS`` rows (fp32) or
-        ``MLP_SLICE_ROWS_16BIT`` (bf16, fp16)."""
-        rows = MLP_SLICE_ROWS if x.dtype == torch.float32 else MLP_SLICE_ROWS_16BIT
+        """``x [T, H]`` -> ``[T, H]``; on the CPU a long step runs in slices of ``MLP_SLICE_ROWS`` rows (an fp32
+        gate_up without SiLU-and-mul in its epilogue) or ``MLP_SLICE_ROWS_WIDE`` (bf16, fp16, fused fp32)."""
+        wide = x.dtype != torch.float32 or (self.silu_mul is not None and self.silu_mul.takes(MLP_SLICE_ROWS_WIDE))
+        rows = MLP_SLICE_ROWS_WIDE if wide else MLP_SLICE_ROWS
         if x.shape[0] > rows and x.device.type == "cpu":
             return torch.cat([self._forward(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
         return self._forward(x)

@@ -1,4 +1,4 @@
-"""SwiGLU's gate_up with SiLU-and-mul in the matmul's epilogue, for every bf16 batch on AVX512-BF16 CPUs.
+"""SwiGLU's gate_up with SiLU-and-mul in the matmul's epilogue: bf16 on AVX512-BF16 CPUs, float32 prefill on AVX-512.
 
 A prefill step of 4,096 rows makes a ``[4096, 2 I]`` gate_up output (25 MB in
 bf16 for SmolLM2) that goes to memory for ``silu_and_mul`` to read back and
@@ -29,6 +29,17 @@ took 2,495 -> 2,381 ms, but a 32-row decode step 37.0 -> 39.1 ms
 Elsewhere the MLP runs its gate_up matmul and ``silu_and_mul`` as before. The packed copy is the GGUF's
 codes where the model has them (about 0.3 of the bf16 bytes for Q4_1), else
 the dense bf16 weight.
+
+Since round 47 a float32 model has it too (``run_silu_mul_f32``: the fp32 FMA
+kernel's chunk walk, each pass into a ``[rows, 32]`` tile whose SiLU-and-mul
+is ``silu_and_mul_f32``'s arithmetic, so bitwise the same ``act``), for
+prefill-sized steps and with AMX off (on AMX tiles the fp32 kernel sums those
+rows in another order, so a float32 model there keeps no fused copy). The
+``[4096, 2 I]`` fp32 gate_up is 50 MB; 30 layers' MLP at 4,096 rows took
+3,483 ms unfused in 1,024-row slices against 3,228 fused in one 4,096-row
+slice (``MLP_SLICE_ROWS_WIDE``; docs/benchmarks.md, "Round 47"). Decode rows
+keep the unfused kernel (they read the weight, not the activations, from
+memory). The copy costs the codes' bytes again (32 MiB for SmolLM2's Q4_1).
 """
 
 from __future__ import annotations
@@ -66,19 +77,21 @@ def interleave_gate_up(intermediate: int) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class GateUpSiluMul:
-    """A bf16 gate_up weight packed interleaved for ``small_linear_silu_mul``.
+    """A bf16 or float32 gate_up weight packed interleaved for ``small_linear_silu_mul``.
 
     Attributes:
         ops: :func:`streamkv.ops.cpu_ops.load_linear_ops`'s module.
-        packed: the interleaved weight, ``pack_small_linear`` (bf16) or the GGUF codes' bf16 pack.
+        packed: the interleaved weight, ``pack_small_linear`` or the GGUF codes' pack for ``dtype``.
         intermediate: ``I``, the columns of ``act``.
         bias: float32 ``[2 I]`` in the interleaved order, or None.
+        dtype: the model's dtype, which ``x`` and ``act`` have.
     """
 
     ops: ModuleType
     packed: torch.Tensor
     intermediate: int
     bias: torch.Tensor | None
+    dtype: torch.dtype = torch.bfloat16
 
     @classmethod
     def pack(
@@ -88,35 +101,39 @@ class GateUpSiluMul:
         bias: torch.Tensor | None = None,
         codes: GGUFCodes | None = None,
     ) -> GateUpSiluMul | None:
-        """Pack a bf16 ``[gate; up]`` weight ``[2 I, K]`` (or the GGUF ``codes`` that give it bitwise).
+        """Pack a bf16 or float32 ``[gate; up]`` weight ``[2 I, K]`` (or the GGUF ``codes`` that give it bitwise).
 
         Returns:
-            None where the fused kernel cannot take it: a weight that is not bfloat16, ``I`` not a multiple of 16
-            or ``K`` not of ``AMX_TILE_K``.
+            None where the fused kernel cannot take it: a dtype this build has no fused kernel for
+            (``small_linear_silu_mul_supported``: bfloat16 needs AVX512-BF16, float32 AVX-512), ``I`` not a
+            multiple of 16 or ``K`` not of ``AMX_TILE_K``.
         """
         rows, k = weight.shape
-        if weight.dtype != torch.bfloat16 or rows % (2 * INTERLEAVE) or k % AMX_TILE_K:
+        f32 = weight.dtype == torch.float32
+        if weight.dtype not in (torch.bfloat16, torch.float32) or rows % (2 * INTERLEAVE) or k % AMX_TILE_K:
+            return None
+        if not ops.small_linear_silu_mul_supported(f32=f32):
             return None
         order = interleave_gate_up(rows // 2)
         index = torch.from_numpy(order)
-        if codes is not None and has_gguf_kernel(ops, torch.bfloat16):
-            packed = codes.rows(order).pack(ops, bf16=True)
+        if codes is not None and has_gguf_kernel(ops, weight.dtype):
+            packed = codes.rows(order).pack(ops, bf16=not f32)
         else:
             packed = ops.pack_small_linear(weight.detach()[index].contiguous())
         b = None if bias is None else bias.detach().float()[index].contiguous()
-        return cls(ops, packed, rows // 2, b)
+        return cls(ops, packed, rows // 2, b, weight.dtype)
 
     def takes(self, rows: int) -> bool:
-        """Whether ``rows`` rows run fused: any batch on AMX tiles, past 128 rows on ``vdpbf16ps``
-        (``small_linear_silu_mul_takes``; the bits are the same either way)."""
-        return bool(self.ops.small_linear_silu_mul_takes(rows))
+        """Whether ``rows`` rows run fused (``small_linear_silu_mul_takes``; the bits are the same either way):
+        bf16 any batch on AMX tiles, past 128 rows on ``vdpbf16ps``; float32 past 128 rows while AMX is off."""
+        return bool(self.ops.small_linear_silu_mul_takes(rows, f32=self.dtype == torch.float32))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, K]`` bfloat16 -> ``act [T, I]`` = ``silu(x W_gate^T + b_gate) * (x W_up^T + b_up)``, each
-        factor rounded to bf16 first, as ``silu_and_mul`` of the bf16 gate_up.
+        """``x [T, K]`` in the weight's dtype -> ``act [T, I]`` = ``silu(x W_gate^T + b_gate) * (x W_up^T +
+        b_up)``, as ``silu_and_mul`` of the kernel's own gate_up (bf16: each factor rounded to bf16 first).
 
         Raises:
-            RuntimeError: the AMX kernel is off, or ``x`` does not fit the packed weight (the op checks).
+            RuntimeError: ``x`` does not fit the packed weight (the op checks).
         """
         if x.stride(-1) != 1:
             x = x.contiguous()

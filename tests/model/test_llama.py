@@ -227,9 +227,11 @@ def test_tiny_cpu_attention_backend_matches_transformers(tiny: tuple[LoadedModel
 def test_tiny_mlp_in_row_slices_matches_transformers(
     tiny: tuple[LoadedModel, Any], schedule_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Long CPU steps run the MLP in slices of MLP_SLICE_ROWS rows; 4 here, so every prefill is cut, a partial
-    # slice included, and each slice's rows must land where they belong.
+    # Long CPU steps run the MLP in slices of MLP_SLICE_ROWS rows (MLP_SLICE_ROWS_WIDE where the fp32 gate_up is
+    # fused); 4 here, so every prefill is cut, a partial slice included, and each slice's rows must land where they
+    # belong.
     monkeypatch.setattr(llama, "MLP_SLICE_ROWS", 4)
+    monkeypatch.setattr(llama, "MLP_SLICE_ROWS_WIDE", 4)
     ours, hf_model = tiny
     steps: list[tuple[int, list[int]]] = []  # (rows of a step, the slices its MLP ran)
     mlp = ours.model.model.layers[0].mlp

@@ -79,7 +79,7 @@ at::Tensor decode_layer(const at::Tensor& h, at::Tensor residual, bool first, co
   at::Tensor x2 = at::empty_like(h);
   add_rms_norm(x2, o, residual, post_norm, post_eps);
   at::Tensor act = at::empty({tokens, intermediate}, h.options());
-  if (silu_mul_w.has_value() && small_linear_silu_mul_takes(x2.size(0))) {
+  if (silu_mul_w.has_value() && small_linear_silu_mul_takes(x2.size(0), x2.scalar_type() == at::kFloat)) {
     small_linear_silu_mul(act, x2, *silu_mul_w, silu_mul_bias);
   } else {
     const at::Tensor gate_up = linear(x2, gate_up_w, gate_up_scale, gate_up_bias, 2 * intermediate);

@@ -231,12 +231,7 @@ void silu_and_mul_f32(at::Tensor& out, const at::Tensor& gate_up) {
       float* dst = o + r * so;
       int64_t i = 0;
 #if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (; i + 16 <= n; i += 16) {
-        const __m512 gv = load16(g + i);
-        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        store16(dst + i, _mm512_mul_ps(silu, load16(u + i)));
-      }
+      for (; i + 16 <= n; i += 16) store16(dst + i, silu_mul16_f32(load16(g + i), load16(u + i)));
 #elif defined(STREAMKV_AVX2)
       const __m256 one = _mm256_set1_ps(1.f);
       for (; i + 8 <= n; i += 8) {

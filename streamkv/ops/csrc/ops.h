@@ -24,8 +24,8 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
                        const c10::optional<at::Tensor>& bias);
 void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias);
-bool small_linear_silu_mul_supported();
-bool small_linear_silu_mul_takes(int64_t rows);
+bool small_linear_silu_mul_supported(bool f32);
+bool small_linear_silu_mul_takes(int64_t rows, bool f32);
 
 // greedy_head.cpp
 int64_t greedy_head(at::Tensor tokens, const at::Tensor& x, const at::Tensor& approx, const at::Tensor& packed,

@@ -115,6 +115,14 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(poly, n);
 }
 
+// silu(g) * u on 16 fp32 lanes, silu(g) = g / (1 + exp(-g)): silu_and_mul_f32's arithmetic (fused_layers.cpp) and the
+// fp32 fused gate_up's epilogue (small_linear.cpp, run_silu_mul_f32), one function so both give the same bits.
+inline __m512 silu_mul16_f32(__m512 g, __m512 u) {
+  const __m512 silu =
+      _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return _mm512_mul_ps(silu, u);
+}
+
 // 2^y on 16 lanes: 2^floor(y) * poly(f), f = y - floor(y) in [0, 1) (vreduceps), poly a degree-5 fit of 2^f on that
 // interval (relative error 8e-8 in exact arithmetic, 2e-7 as evaluated in fp32; exp16's is 1e-7). Seven
 // instructions, the scaling by log2(e) folded into the caller's fmsub, where exp16 takes thirteen (its

@@ -459,6 +459,43 @@ void run_gguf(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
     }
   });
 }
+
+// small_linear_silu_mul for fp32 x (prefill-sized steps, small_linear_silu_mul_takes): the chunk walk of run_gguf
+// (codes) or run() (dense fp32) past SMALL_BATCH_MAX_ROWS rows, each pass into a [rows, 32] tile on the stack whose
+// 16 gate and 16 up columns silu_mul16_f32 turns into the pass's 16 columns of act. The tile holds g + bg and u + bu
+// as store_pair writes them, and silu_mul16_f32 is silu_and_mul_f32's arithmetic (fused_layers.cpp), so act is
+// bitwise silu_and_mul(small_linear(x)); the [M, 2I] fp32 gate_up (12.6 MB a 1,024-row slice of SmolLM2) never goes
+// to memory. Block: Q4_1Block or Q8_0Block for GGUF codes, void for a dense fp32 pack.
+template <typename Block>
+void run_silu_mul_f32(at::Tensor& act, const at::Tensor& x, const at::Tensor& packed, const float* bias) {
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(0), x_stride = x.stride(0);
+  if (m == 0) return;
+  const float* xp = x.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  const int64_t a_stride = act.stride(0);
+  const int64_t panel_elems = k * 2 * LANES;
+  const auto panel_pass = [&](int64_t rows, int64_t m0, int64_t pair, const float* panel) {
+    alignas(64) float tile[FLOAT_ROWS * 2 * LANES];
+    column_pair_rows<float>(rows, xp + m0 * x_stride, x_stride, tile, 2 * LANES, panel,
+                            bias ? bias + pair * 2 * LANES : nullptr, 0, 0, 2 * LANES, k, nullptr, 0);
+    for (int64_t r = 0; r < rows; ++r)
+      _mm512_storeu_ps(ap + (m0 + r) * a_stride + pair * LANES,
+                       silu_mul16_f32(_mm512_load_ps(tile + r * 2 * LANES), _mm512_load_ps(tile + r * 2 * LANES + LANES)));
+  };
+  if constexpr (std::is_void_v<Block>) {
+    const float* dense = packed.data_ptr<float>();
+    walk_panel_chunks<float>(m, pairs, k, [=](int64_t p0, int64_t, int64_t) { return dense + p0 * panel_elems; },
+                             panel_pass);
+  } else {
+    const int64_t blocks = packed.size(1);
+    walk_panel_chunks<float>(m, pairs, k,
+                             dequantized_chunk<float>(packed.data_ptr<uint8_t>(), blocks * Block::BYTES, panel_elems,
+                                                      [blocks](const uint8_t* w, const uint8_t* next, float* panel) {
+                                                        dequantize_pair<Block>(w, blocks, next, panel);
+                                                      }),
+                             panel_pass);
+  }
+}
 #endif
 
 #if defined(STREAMKV_AMX)
@@ -2111,44 +2148,52 @@ void small_linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
 #endif
 }
 
-// Whether small_linear_silu_mul runs in this process: a build with AMX-BF16 and the tiles switched on (amx()).
-bool small_linear_silu_mul_supported() {
+// Whether small_linear_silu_mul runs in this build: bf16 (f32 false) with AVX512-BF16, on AMX tiles while they are on
+// (run_silu_mul), else on vdpbf16ps (run_silu_mul_vnni); fp32 with AVX-512 (run_silu_mul_f32).
+bool small_linear_silu_mul_supported(bool f32) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  return true;  // AMX tiles while they are on (run_silu_mul), else vdpbf16ps (run_silu_mul_vnni)
+  return true;
+#elif defined(__AVX512F__)
+  return f32;
 #else
+  (void)f32;
   return false;
 #endif
 }
 
-// Whether the MLP runs `rows` rows fused: any batch on AMX tiles; on vdpbf16ps, prefill-sized ones (past
+// Whether the MLP runs `rows` rows fused. bf16: any batch on AMX tiles; on vdpbf16ps, prefill-sized ones (past
 // SMALL_BATCH_MAX_ROWS) alone. There a 32 x 128-token bf16 prefill step took 2,495 -> 2,381 ms fused, but a decode
 // step at 32 rows 37.0 -> 39.1 ms: per pair, SiLU's table lookups between the passes pushed the panel out of the
-// cache, where unfused they run in their own pass (docs/benchmarks.md "Round 45"). Fused or not, act has the same
-// bits.
-bool small_linear_silu_mul_takes(int64_t rows) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// cache, where unfused they run in their own pass (docs/benchmarks.md "Round 45"). fp32 (f32 true): prefill-sized
+// batches, and not while AMX is on (where small_linear's fp32 GGUF prefill sums on tiles, in another order). Fused
+// or not, act has the same bits.
+bool small_linear_silu_mul_takes(int64_t rows, bool f32) {
+  if (!small_linear_silu_mul_supported(f32)) return false;
 #if defined(STREAMKV_AMX)
-  if (amx_on()) return rows >= 1;
+  if (amx_on()) return !f32 && rows >= 1;
 #endif
+#if defined(__AVX512F__)
   return rows > SMALL_BATCH_MAX_ROWS;
 #else
-  (void)rows;
-  return false;
+  return rows < 0;  // unreachable: nothing is supported without AVX-512
 #endif
 }
 
-// act [M, I] bf16 = silu(x Wg^T (+ bg)) * (x Wu^T (+ bu)), each factor rounded to bf16 first: bitwise
-// silu_and_mul(act, small_linear(x, W)) for the same W, without the [M, 2I] gate_up in memory (run_silu_mul). W is
-// gate_up with its rows interleaved 16 at a time (gate rows 16 q .. 16 q + 15, then up's), packed by
-// pack_small_linear (bf16) or pack_small_linear_q4_1 / _q8_0 with bf16=True; bias [2I] in the same order. I must be a
-// multiple of 16 and K of 32. Raises where small_linear_silu_mul_supported() is false.
+// act [M, I] = silu(x Wg^T (+ bg)) * (x Wu^T (+ bu)): bitwise silu_and_mul(act, small_linear(x, W)) for the same W,
+// without the [M, 2I] gate_up in memory. bf16 (run_silu_mul, run_silu_mul_vnni): each factor rounded to bf16 first, as
+// small_linear stores them. fp32 (run_silu_mul_f32). W is gate_up with its rows interleaved 16 at a time (gate rows
+// 16 q .. 16 q + 15, then up's), packed by pack_small_linear or pack_small_linear_q4_1 / _q8_0 (bf16=True for bf16 x);
+// bias [2I] in the same order. I must be a multiple of 16 and K of 32. Raises where
+// small_linear_silu_mul_supported(x is float32) is false.
 void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(small_linear_silu_mul_supported(), "small_linear_silu_mul needs AVX512-BF16");
-#if defined(__AVX512F__) && defined(__AVX512BF16__)  // the code layouts' constants exist there only; the check raised
+  const bool f32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(small_linear_silu_mul_supported(f32), "small_linear_silu_mul needs ", f32 ? "AVX-512" : "AVX512-BF16");
+#if defined(__AVX512F__)  // the code layouts' constants exist there only; the check raised
   TORCH_CHECK(x.is_cpu() && act.is_cpu() && packed.is_cpu() && (!bias.has_value() || bias->is_cpu()),
               "small_linear_silu_mul takes CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && act.scalar_type() == at::kBFloat16, "x and act must be bfloat16");
+  TORCH_CHECK((f32 || x.scalar_type() == at::kBFloat16) && act.scalar_type() == x.scalar_type(),
+              "x and act must be both float32 or both bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && act.dim() == 2 && act.stride(1) == 1 && act.size(0) == x.size(0),
               "x and act must be [M, K] and [M, I] with unit last strides");
   const int64_t i = act.size(1), k = x.size(1), n = 2 * i;
@@ -2156,6 +2201,26 @@ void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor
               "small_linear_silu_mul needs I a multiple of 16 and K of 32, got I = ", i, ", K = ", k);
   TORCH_CHECK(packed.is_contiguous() && packed.dim() >= 1 && packed.size(0) == n / (2 * LANES), "packed has ",
               packed.dim() >= 1 ? packed.size(0) * 2 * LANES : 0, " rows for 2I = ", n);
+  const at::Tensor b32 = bias_f32(bias, n);
+  const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
+  if (f32) {
+    const bool dense = packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(1) == k &&
+                       packed.size(2) == 2 * LANES;
+    const bool codes = packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(1) * 32 == k &&
+                       (packed.size(2) == Q4_1_BLOCK_BYTES || packed.size(2) == Q8_0_BLOCK_BYTES);
+    TORCH_CHECK(dense || codes,
+                "packed must come from pack_small_linear (float32) or pack_small_linear_q4_1 / _q8_0 with "
+                "bf16=False, for K = ", k);
+    if (dense)
+      run_silu_mul_f32<void>(act, x, packed, b);
+    else if (packed.size(2) == Q4_1_BLOCK_BYTES)
+      run_silu_mul_f32<Q4_1Block>(act, x, packed, b);
+    else
+      run_silu_mul_f32<Q8_0Block>(act, x, packed, b);
+    return;
+  }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
   const bool dense = packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(1) == k / 2 &&
                      packed.size(2) == 4 * LANES;
   const bool codes = packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(1) * 32 == k &&
@@ -2163,8 +2228,6 @@ void small_linear_silu_mul(at::Tensor act, const at::Tensor& x, const at::Tensor
   TORCH_CHECK(dense || codes,
               "packed must come from pack_small_linear (bfloat16) or pack_small_linear_q4_1 / _q8_0 with bf16=True, "
               "for K = ", k);
-  const at::Tensor b32 = bias_f32(bias, n);
-  const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
 #if defined(STREAMKV_AMX)
   if (amx_on()) return run_silu_mul(act, x, packed, b);
 #endif
@@ -2202,13 +2265,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pack GGUF Q8_0 codes [N, K] int8 with their float16 d [N, K/32] for small_linear (float32 x, or bf16)",
         py::arg("codes"), py::arg("d"), py::arg("bf16") = false);
   m.def("small_linear_silu_mul_supported", &small_linear_silu_mul_supported,
-        "whether small_linear_silu_mul runs in this build (AVX512-BF16: AMX tiles while on, else vdpbf16ps)");
+        "whether small_linear_silu_mul runs in this build for bf16 x (AVX512-BF16: AMX tiles while on, else "
+        "vdpbf16ps) or float32 x (f32=True; AVX-512)",
+        py::arg("f32") = false);
   m.def("small_linear_silu_mul_takes", &small_linear_silu_mul_takes,
-        "whether the MLP runs this many rows through small_linear_silu_mul (any on AMX, > 128 on vdpbf16ps)",
-        py::arg("rows"));
+        "whether the MLP runs this many rows through small_linear_silu_mul (bf16: any on AMX, > 128 on vdpbf16ps; "
+        "float32 with f32=True: > 128, AMX off)",
+        py::arg("rows"), py::arg("f32") = false);
   m.def("small_linear_silu_mul", &small_linear_silu_mul,
-        "act = silu(x W_gate^T + b_gate) * (x W_up^T + b_up) in bf16, W = gate_up with rows interleaved 16 at a "
-        "time, packed, and the bias [2I] in the same order",
+        "act = silu(x W_gate^T + b_gate) * (x W_up^T + b_up) in x's dtype (bf16 or float32), W = gate_up with rows "
+        "interleaved 16 at a time, packed, and the bias [2I] in the same order",
         py::arg("act"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("greedy_head", &greedy_head,
         "tokens = argmax of x W^T (fp32 W as small_linear's Q8_0 or fp32 pack) from approx, its bf16 estimate, "
