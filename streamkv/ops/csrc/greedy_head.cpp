@@ -37,6 +37,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "simd_math.h"
 #endif
 
 namespace {
@@ -74,6 +76,25 @@ inline float bf16_to_float(uint16_t bits) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+
+// The bound b = c1x ||W_v|| + c2 |a| + c3 of one estimate a (the file's header; c1x = c1 ||x||): both passes and
+// the vector lanes (bound16) compute it with the same operations, so pass 2 rules out exactly what pass 1 measured.
+inline float bound1(float a, float w_norm, float c1x, float c2, float c3) {
+  return std::fma(c1x, w_norm, c2 * std::fabs(a)) + c3;
+}
+
+#if defined(__AVX512F__)
+// The estimates a[0, 16) widened from their bf16 bits, and their bounds, bound1's arithmetic lane by lane.
+struct Bound16 {
+  __m512 c1x, c2, c3;
+  inline __m512 estimates(const uint16_t* a) const {
+    return bf16_widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  }
+  inline __m512 bound(__m512 a, const float* w_norm) const {
+    return _mm512_add_ps(_mm512_fmadd_ps(c1x, _mm512_loadu_ps(w_norm), _mm512_mul_ps(c2, _mm512_abs_ps(a))), c3);
+  }
+};
+#endif
 
 }  // namespace
 
@@ -127,14 +148,11 @@ int64_t greedy_head(at::Tensor tokens, const at::Tensor& x, const at::Tensor& ap
       int64_t v = 0;
 #if defined(__AVX512F__)
       __m512 lo = _mm512_set1_ps(lower), big = _mm512_setzero_ps();
-      const __m512 c1v = _mm512_set1_ps(c1x), c2v = _mm512_set1_ps(c2), c3v = _mm512_set1_ps(c3);
+      const Bound16 b16{_mm512_set1_ps(c1x), _mm512_set1_ps(c2), _mm512_set1_ps(c3)};
       for (; v + 16 <= n; v += 16) {
-        const __m512 av = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + v))), 16));
-        const __m512 mag = _mm512_abs_ps(av);
-        const __m512 b = _mm512_add_ps(_mm512_fmadd_ps(c1v, _mm512_loadu_ps(wn + v), _mm512_mul_ps(c2v, mag)), c3v);
-        lo = _mm512_max_ps(lo, _mm512_sub_ps(av, b));
-        big = _mm512_max_ps(big, mag);  // an inf shows here; a NaN (which max may or may not pass on) just below
+        const __m512 av = b16.estimates(a + v);
+        lo = _mm512_max_ps(lo, _mm512_sub_ps(av, b16.bound(av, wn + v)));
+        big = _mm512_max_ps(big, _mm512_abs_ps(av));  // an inf shows here; a NaN (which max may not pass on) below
         finite &= _mm512_cmp_ps_mask(av, av, _CMP_UNORD_Q) == 0;
       }
       lower = _mm512_reduce_max_ps(lo);
@@ -143,7 +161,7 @@ int64_t greedy_head(at::Tensor tokens, const at::Tensor& x, const at::Tensor& ap
       for (int64_t t = v; t < n; ++t) {
         const float av = bf16_to_float(a[t]);
         finite &= std::isfinite(av);
-        lower = std::max(lower, av - (std::fma(c1x, wn[t], c2 * std::fabs(av)) + c3));
+        lower = std::max(lower, av - bound1(av, wn[t], c1x, c2, c3));
       }
       if (!finite) continue;
       // Pass 2: the candidates' exact logits, the first of the largest kept.
@@ -161,17 +179,15 @@ int64_t greedy_head(at::Tensor tokens, const at::Tensor& x, const at::Tensor& ap
 #if defined(__AVX512F__)
       const __m512 lower_v = _mm512_set1_ps(lower);
       for (; v + 16 <= n; v += 16) {
-        const __m512 av = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + v))), 16));
-        const __m512 b = _mm512_add_ps(
-            _mm512_fmadd_ps(c1v, _mm512_loadu_ps(wn + v), _mm512_mul_ps(c2v, _mm512_abs_ps(av))), c3v);
-        for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_add_ps(av, b), lower_v, _CMP_GE_OQ); hit; hit &= hit - 1)
+        const __m512 av = b16.estimates(a + v);
+        const __m512 upper = _mm512_add_ps(av, b16.bound(av, wn + v));
+        for (__mmask16 hit = _mm512_cmp_ps_mask(upper, lower_v, _CMP_GE_OQ); hit; hit &= hit - 1)
           consider(v + __builtin_ctz(hit));
       }
 #endif
       for (int64_t t = v; t < n; ++t) {
         const float av = bf16_to_float(a[t]);
-        if (av + (std::fma(c1x, wn[t], c2 * std::fabs(av)) + c3) >= lower) consider(t);
+        if (av + bound1(av, wn[t], c1x, c2, c3) >= lower) consider(t);
       }
       examined += count;
       if (!nan) out[r] = best_v;
