@@ -265,8 +265,13 @@ class EngineCore:
         hidden = self.runner.forward(out)
         self.offload.write_spills(out.spills, spilled)
         sampling = self.scheduler.update(out)
-        plain = self.loaded.model.greedy_head is not None and all(map(_plain_greedy, sampling))  # no loop without one
-        greedy = self.runner.greedy_tokens(hidden) if plain else None
+        head = self.loaded.model.greedy_head
+        greedy = None
+        if head is not None and head.takes(hidden.shape[0]) and all(map(_plain_greedy, sampling)):  # no loop without
+            before = head.candidates
+            greedy = self.runner.greedy_tokens(hidden)
+            if self.metrics is not None:
+                self.metrics.observe_greedy_head(hidden.shape[0], head.candidates - before, greedy is None)
         if greedy is not None:  # every row's token without the logits (GreedyHead): no beams, forks or logprobs
             self.outputs.process([s.seq for s in sampling], greedy, time.monotonic(), None)
             self._finish_step(t0, out)

@@ -151,6 +151,22 @@ class EngineMetrics:
             "Times the engine dropped to one torch thread because its thread waited for a core.",
             registry=r,
         )
+        self.greedy_head_rows = Counter(
+            "streamkv_greedy_head_rows",
+            "Greedy rows whose token came from the float32 greedy head (a bf16 estimate of the LM head and exact "
+            "fp32 candidates; streamkv/model/greedy_head.py) instead of the full logits.",
+            registry=r,
+        )
+        self.greedy_head_candidates = Counter(
+            "streamkv_greedy_head_candidates",
+            "Exact fp32 logits the greedy head computed for those rows (its cost: a median of 1 a row on SmolLM2).",
+            registry=r,
+        )
+        self.greedy_head_fallbacks = Counter(
+            "streamkv_greedy_head_fallbacks",
+            "Steps the greedy head handed back to the full logits (a non-finite hidden row or estimate).",
+            registry=r,
+        )
         self.errors = Counter("streamkv_errors", "Error frames sent to clients, by code.", ["code"], registry=r)
         for code in KNOWN_ERROR_CODES:
             self.errors.labels(code=code)
@@ -246,6 +262,15 @@ class EngineMetrics:
         self.engine_threads.set(threads)
         if dropped:
             self.engine_thread_drops.inc()
+
+    def observe_greedy_head(self, rows: int, candidates: int, fell_back: bool) -> None:
+        """One step's run of the greedy head: ``rows`` greedy rows, ``candidates`` exact fp32 logits computed;
+        ``fell_back``: a row it could not certify sent the step through the full logits (its rows not counted)."""
+        if fell_back:
+            self.greedy_head_fallbacks.inc()
+            return
+        self.greedy_head_rows.inc(max(rows, 0))
+        self.greedy_head_candidates.inc(max(candidates, 0))
 
     def observe_loop_lag(self, lag_s: float) -> None:
         if _finite(lag_s):

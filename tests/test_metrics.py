@@ -121,6 +121,17 @@ def test_histograms_and_errors() -> None:
     assert got[("streamkv_errors_total", (("code", "unknown_session"),))] == 0  # pre-created
 
 
+def test_greedy_head_counts_rows_candidates_and_fallbacks() -> None:
+    m = EngineMetrics()
+    m.observe_greedy_head(32, 190, False)
+    m.observe_greedy_head(8, 9, False)
+    m.observe_greedy_head(16, 0, True)  # handed back: its rows went through the logits, counted as a fallback only
+    got = scrape(m)
+    assert got[("streamkv_greedy_head_rows_total", ())] == 40
+    assert got[("streamkv_greedy_head_candidates_total", ())] == 199
+    assert got[("streamkv_greedy_head_fallbacks_total", ())] == 1
+
+
 def test_latency_buckets_span_1ms_to_60s() -> None:
     m = EngineMetrics()
     got = scrape(m)

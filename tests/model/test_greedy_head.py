@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from streamkv.metrics import EngineMetrics
 from streamkv.model.greedy_head import GREEDY_HEAD_MIN_ROWS, GreedyHead
 from streamkv.model.linear import SmallMatmul
 from streamkv.model.loader import LoadedModel
@@ -120,9 +122,17 @@ def test_the_op_refuses_a_layout_it_does_not_read() -> None:
     assert GreedyHead.build(ops, torch.zeros(64, 256), q4) is None  # Q4_1 head: the full head runs
 
 
-def greedy_runs(loaded: LoadedModel, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    llm = make_llm(loaded, max_num_seqs=64)
+def greedy_runs(
+    loaded: LoadedModel, prompts: list[list[int]], params: list[SamplingParams], metrics: EngineMetrics | None = None
+) -> list[list[int]]:
+    llm = make_llm(loaded, max_num_seqs=64, metrics=metrics)
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+def greedy_head_counters(metrics: EngineMetrics) -> tuple[float, float, float]:
+    """(rows, candidates, fallbacks) as /metrics shows them."""
+    got = {s.name: s.value for f in text_string_to_metric_families(metrics.render()[0].decode()) for s in f.samples}
+    return tuple(got[f"streamkv_greedy_head_{n}_total"] for n in ("rows", "candidates", "fallbacks"))  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("which", ["tiny", "smollm2"])
@@ -138,15 +148,50 @@ def test_engine_greedy_tokens_do_not_change(which: str, request: pytest.FixtureR
         want = greedy_runs(loaded, prompts, params)
         model.greedy_head = head
         before = head.candidates
-        assert greedy_runs(loaded, prompts, params) == want
+        metrics = EngineMetrics()
+        assert greedy_runs(loaded, prompts, params, metrics) == want
         assert head.candidates - before >= len(prompts) * 8  # decode steps of >= GREEDY_HEAD_MIN_ROWS rows ran on it
         assert len(prompts) >= GREEDY_HEAD_MIN_ROWS
+        # /metrics counts its rows (decode steps of the 6 rows; the prefill steps' rows may or may not batch) and the
+        # exact logits it computed, and no fallback
+        rows, candidates, fallbacks = greedy_head_counters(metrics)
+        assert len(prompts) * 8 <= rows <= len(prompts) * 10 and candidates == head.candidates - before
+        assert fallbacks == 0
         # A step with a row that reads the logits (logprobs) or samples takes the full head, the tokens unchanged.
         mixed = [*params[:-2], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
                  SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True, seed=1)]  # fmt: skip
         before = head.candidates
-        got = greedy_runs(loaded, prompts, mixed)
+        metrics = EngineMetrics()
+        got = greedy_runs(loaded, prompts, mixed, metrics)
         assert got[:-1] == want[:-1]
         assert head.candidates == before
+        assert greedy_head_counters(metrics) == (0, 0, 0)
+    finally:
+        model.greedy_head = head
+
+
+def test_a_step_handed_back_takes_the_full_head_and_counts_a_fallback(tiny: LoadedModel) -> None:
+    model = tiny.model
+    head = model.greedy_head
+    assert head is not None
+    prompts = prompts_of([6, 11, 30], seed=5, vocab=model.config.vocab_size)
+    params = [greedy(6) for _ in prompts]
+
+    class Declines:  # a head whose every row is one it cannot certify (a non-finite value)
+        candidates = 0
+
+        def takes(self, rows: int) -> bool:
+            return head.takes(rows)
+
+        def __call__(self, hidden: torch.Tensor) -> None:
+            return None
+
+    try:
+        want = greedy_runs(tiny, prompts, params)
+        model.greedy_head = Declines()  # type: ignore[assignment]
+        metrics = EngineMetrics()
+        assert greedy_runs(tiny, prompts, params, metrics) == want
+        rows, candidates, fallbacks = greedy_head_counters(metrics)
+        assert rows == candidates == 0 and fallbacks >= 5  # the decode steps of 3 rows, at least
     finally:
         model.greedy_head = head
