@@ -38,8 +38,9 @@ rows in another order, so a float32 model there keeps no fused copy). The
 ``[4096, 2 I]`` fp32 gate_up is 50 MB; 30 layers' MLP at 4,096 rows took
 3,483 ms unfused in 1,024-row slices against 3,228 fused in one 4,096-row
 slice (``MLP_SLICE_ROWS_WIDE``; docs/benchmarks.md, "Round 47"). Decode rows
-keep the unfused kernel (they read the weight, not the activations, from
-memory). The copy costs the codes' bytes again (32 MiB for SmolLM2's Q4_1).
+keep the unfused kernel (a fused walk for them, which would have to keep
+run_gguf's first-pass panel layout, was not built or measured). The copy
+costs the codes' bytes again (32 MiB for SmolLM2's Q4_1).
 """
 
 from __future__ import annotations
