@@ -2175,7 +2175,8 @@ bool small_linear_silu_mul_takes(int64_t rows, bool f32) {
 #if defined(__AVX512F__)
   return rows > SMALL_BATCH_MAX_ROWS;
 #else
-  return rows < 0;  // unreachable: nothing is supported without AVX-512
+  (void)rows;  // nothing is supported without AVX-512: returned false above
+  return false;
 #endif
 }
 
